@@ -1,0 +1,192 @@
+"""Engine configuration: small dataclasses, each validated on construction.
+
+Field names follow vLLM's engine arguments (``max_model_len``, ``block_size``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``gpu_memory_utilization``, ``enable_prefix_caching``) so that users can
+carry their flags over unchanged. Every invalid value raises ``ValueError`` naming the field and the
+allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {message}")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and in which dtype.
+
+    Attributes:
+        model: an HF directory (config.json + *.safetensors), a ``.gguf`` file, a JSON config file (with
+            ``load_format="dummy"``), or ``None`` / ``"smollm2-135m-instruct"`` for the embedded model.
+        tokenizer: tokenizer directory or GGUF file; defaults to ``model``.
+        dtype: ``"auto"`` (bfloat16 on CPU and CUDA when the checkpoint is 16-bit or quantized, else the
+            checkpoint dtype), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        load_format: ``"auto"`` (by path), ``"hf"``, ``"gguf"`` or ``"dummy"`` (random weights).
+        max_model_len: longest context in tokens (prompt + output); ``None`` takes the model's
+            ``max_position_embeddings``.
+        seed: seed for dummy weights and for unseeded sampling.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype",
+               f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check(self.load_format in LOAD_FORMATS, "load_format",
+               f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               f"must be >= 1, got {self.max_model_len}")
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """Turn a ``dtype`` string into a torch dtype.
+
+    ``"auto"`` keeps a float32 checkpoint in float32 only when the checkpoint says so explicitly;
+    16-bit and quantized (GGUF) checkpoints run in bfloat16, which is fastest on AVX-512-bf16 CPUs and
+    on GPUs. ``checkpoint_dtype`` is ``None`` when the checkpoint does not state one.
+    """
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if checkpoint_dtype == torch.float32:
+        return torch.float32
+    if checkpoint_dtype == torch.float16:
+        return torch.float16
+    return torch.bfloat16
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing (PagedAttention, Kwon et al., SOSP 2023).
+
+    Attributes:
+        block_size: token slots per KV block.
+        kv_cache_memory: bytes given to the KV cache on CPU; ``None`` means 2 GiB.
+        gpu_memory_utilization: fraction of device memory for weights + activations + KV cache on CUDA.
+        enable_prefix_caching: reuse KV blocks of previously computed full-block prefixes.
+        num_gpu_blocks_override: exact number of KV blocks (tests and benchmarks), overriding both sizes.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+               f"must be a power of two in [1, 256], got {self.block_size}")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+               f"must be > 0 bytes, got {self.kv_cache_memory}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+               "num_gpu_blocks_override", f"must be >= 2, got {self.num_gpu_blocks_override}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits of the continuous-batching scheduler.
+
+    Attributes:
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
+        enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, as accepted by ``LLM(...)`` and the CLI (vLLM's names).
+
+    ``create_engine_config`` splits them into the validated per-component configs.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    device: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda"), "device",
+               f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+               f"must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments, rejecting unknown names with a ``ValueError``."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate and split into an :class:`EngineConfig`."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.load_format,
+                              self.max_model_len, self.seed),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
+                              self.enable_prefix_caching, self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                      self.enable_chunked_prefill),
+            device=device,
+            num_threads=self.num_threads,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """All validated configs of one engine instance."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    num_threads: int | None = None

@@ -1,0 +1,125 @@
+"""The engine core: one step is schedule → execute → update (the loop of vLLM's V1 EngineCore)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kilat.config import EngineConfig
+from kilat.core.kv_cache_manager import KVCacheManager
+from kilat.core.request import Request, RequestStatus
+from kilat.core.scheduler import Scheduler
+from kilat.metrics.stats import EngineStats, StepStats
+from kilat.model_executor.model_runner import ModelRunner
+from kilat.outputs import PositionLogprobs
+
+logger = logging.getLogger("kilat")
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one core request produced in one step.
+
+    Attributes:
+        request_id: the core request id.
+        new_token_ids: tokens sampled this step (0 or 1 today).
+        new_logprobs: their logprobs, when asked for.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
+        stop_reason: the stop token id that ended it, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        prompt_logprobs: per prompt position, sent once with the first token, when asked for.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+class EngineCore:
+    """Owns the runner, the KV cache manager and the scheduler; advances all requests one step at a time.
+
+    Args:
+        config: validated engine configuration.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.stats = EngineStats()
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d)",
+                    self.runner.num_blocks, config.cache.block_size,
+                    self.runner.num_blocks * config.cache.block_size, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish the given requests (``abort`` by default) and free their blocks."""
+        finished = self.scheduler.finish_requests(request_ids, status)
+        for request in finished:
+            self.stats.finished_by_reason[request.status.finish_reason] += 1
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step; return an output for every request that sampled a token or finished."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
+        now = time.time()
+        sampled = {rid: token for rid, (token, _) in results.items()}
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+
+        outputs = []
+        for request, _ in sched.scheduled:
+            rid = request.request_id
+            if rid not in results:
+                continue
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens = request.num_output_tokens
+            token, logprobs = results[rid]
+            first = request.num_output_tokens == 1
+            if first:
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[token],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                finish_reason=request.status.finish_reason if rid in finished else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+                prompt_logprobs=request.prompt_logprobs if first and
+                request.sampling_params.prompt_logprobs is not None else None,
+            ))
+            if rid in finished:
+                self.stats.finished_by_reason[request.status.finish_reason] += 1
+        self.stats.num_generation_tokens += len(results)
+        self.stats.num_preemptions += len(sched.preempted)
+        self.stats.prefix_cache_queries = self.kv.prefix_queries
+        self.stats.prefix_cache_hits = self.kv.prefix_hits
+        self.stats.last_step = StepStats(
+            num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preempted=len(sched.preempted),
+            step_time=time.perf_counter() - start,
+        )
+        return outputs

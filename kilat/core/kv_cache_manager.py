@@ -1,0 +1,122 @@
+"""Per-request KV block lists on top of the :class:`BlockPool`, with automatic prefix caching.
+
+Full blocks are keyed by ``(hash(parent_key), block_token_ids)``, so a key names the whole prefix up to
+and including its block. A lookup never covers a request's last known token: its logits must be
+computed to sample the next token.
+"""
+
+from __future__ import annotations
+
+from kilat.core.block_pool import BlockHash, BlockPool, KVBlock
+from kilat.core.request import Request
+
+
+class KVCacheManager:
+    """Allocates and frees the KV blocks of requests.
+
+    Args:
+        num_blocks: physical blocks in the cache.
+        block_size: token slots per block.
+        enable_caching: automatic prefix caching.
+
+    Counters ``prefix_queries`` / ``prefix_hits`` count tokens looked up and found at each admission
+    (metrics.md: hit rate = cached prompt tokens / prompt tokens).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks in use, in [0, 1]."""
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request."""
+        return self.pool.num_free_blocks
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Keys of the request's full blocks, extended incrementally as its tokens grow."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hash(hashes[-1]) if hashes else 0
+            hashes.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks that prefixes the request, and the tokens they cover.
+
+        The run stops before the block holding the request's last token. Requests that want prompt
+        logprobs compute their whole prompt, so they get no hits.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for key in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(key)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``computed_blocks`` (prefix-cache hits from :meth:`get_computed_blocks`, for a request being
+        admitted) are taken first. Returns False, changing nothing, when too few blocks are free.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = num_required - len(blocks) - len(computed_blocks)
+        num_reusable_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_reusable_free:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's newly full blocks (up to ``num_tokens`` known tokens)."""
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> int:
+        """Release all of the request's blocks (tail first). Returns how many became free."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        return self.pool.free_blocks(blocks[::-1])
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        """Physical block ids of the request, in token order."""
+        return [b.block_id for b in self.req_blocks.get(request.request_id, [])]

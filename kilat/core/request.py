@@ -1,0 +1,120 @@
+"""One sequence inside the engine core: its tokens, progress, sampling state and status.
+
+A user request with ``n > 1`` becomes ``n`` core requests (one per completion) that share the prompt's
+KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kilat.outputs import PositionLogprobs, RequestMetrics
+from kilat.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a core request; every ``FINISHED_*`` value is greater than ``PREEMPTED``."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        """True for every ``FINISHED_*`` status."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``."""
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """A sequence being computed by the engine core.
+
+    Args:
+        request_id: unique core id (``f"{parent_id}-{index}"`` when ``n > 1``).
+        prompt_token_ids: the prompt, ``len >= 1``.
+        sampling_params: validated parameters; ``max_tokens`` already capped to fit ``max_model_len``.
+        eos_token_id: the model's EOS id, or ``None``.
+        arrival_time: seconds since the epoch.
+        parent_id: the user-visible request id (defaults to ``request_id``).
+        index: which of the parent's ``n`` completions this is.
+        group_leader: for ``index > 0``, the sibling whose prompt KV this one reuses.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_id: int | None, arrival_time: float | None = None,
+                 parent_id: str | None = None, index: int = 0, group_leader: Request | None = None):
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.group_leader = group_leader
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[PositionLogprobs | None] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
+                                      num_prompt_tokens=self.num_prompt_tokens)
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed + index)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached any ``FINISHED_*`` status."""
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a finished status if the last token ends the request (EOS, stop id, length).
+
+        Stop *strings* are matched on text by the detokenizer, which aborts with status STOPPED.
+        Returns True when the request finished.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == self.eos_token_id:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if (self.max_tokens is not None and self.num_output_tokens >= self.max_tokens) or \
+                self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

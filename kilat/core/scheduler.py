@@ -1,0 +1,173 @@
+"""Continuous-batching scheduler (Orca, OSDI 2022) with chunked prefill and preemption by recompute.
+
+There are no prefill or decode phases: each step hands the runner a list of (request, number of new
+tokens), where a request's ``num_computed_tokens`` catches up with its ``num_tokens``. Running requests
+are served first, so a long prompt is chunked behind them instead of stalling them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kilat.config import SchedulerConfig
+from kilat.core.kv_cache_manager import KVCacheManager
+from kilat.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    Attributes:
+        scheduled: (request, num_new_tokens) in batch order: running requests first, then admitted ones.
+        num_scheduled_tokens: Σ num_new_tokens (≤ ``max_num_batched_tokens``).
+        preempted: requests that lost their blocks this step.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        config: token budget and sequence limit.
+        kv_cache_manager: block allocator shared with the runner.
+        max_model_len: longest context in tokens.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS).
+
+        Raises:
+            ValueError: the request id is already in use.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End the given unfinished requests with ``status`` and free their blocks; unknown ids are skipped."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        request.metrics.finished_time = time.time()
+
+    def _preempt_last(self) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """A sibling of an ``n > 1`` request waits until its leader's prompt is cached."""
+        leader = request.group_leader
+        return (self.kv.enable_caching and leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating (or preempting for) their blocks."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and not chunked:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                out.preempted.append(self._preempt_last())
+                if out.preempted[-1] is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        skipped: list[Request] = []
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if self._waits_for_leader(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not chunked:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                request.metrics.num_cached_tokens = num_hit
+                request.metrics.first_scheduled_time = time.time()
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        ``sampled`` maps request id → the token sampled for it this step (only requests whose chunk
+        reached their last token sample). Returns the requests that finished this step.
+        """
+        finished = []
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self._release(request)
+                finished.append(request)
+        return finished

@@ -1,0 +1,131 @@
+"""Prompts → validated core requests: tokenization, chat templates and checks against the model.
+
+Every rejection is a ``ValueError`` naming the field and the limit, raised before anything enters the
+engine, so a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from kilat.core.request import Request
+from kilat.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+"""A text prompt, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": list[int]}``."""
+
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for (OpenAI's limit)."""
+
+
+class InputProcessor:
+    """Tokenizes and validates requests for one model.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        vocab_size: the model's vocabulary size (token ids must be below it).
+        max_model_len: longest context in tokens.
+        eos_token_id: the model's EOS id, or ``None``.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_id: int | None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+
+    def to_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Return (prompt text or ``None``, token ids).
+
+        ``add_special_tokens=False`` for text that already carries them (a rendered chat template).
+
+        Raises:
+            ValueError: the prompt is empty, of an unknown type, or holds ids outside the vocabulary.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids if prompt else []
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return text, ids
+
+    def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Check ``params`` against the model; return a copy with ``max_tokens`` resolved.
+
+        Raises:
+            ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
+                too many logprobs).
+        """
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
+                             f"within max_model_len ({self.max_model_len})")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens ({params.max_tokens}) + prompt tokens ({num_prompt_tokens}) = "
+                             f"{params.max_tokens + num_prompt_tokens} exceeds max_model_len "
+                             f"({self.max_model_len})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        return replace(params, max_tokens=params.max_tokens or room)
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                add_special_tokens: bool = True) -> tuple[str | None, list[int], SamplingParams, list[Request]]:
+        """Tokenize and validate; return (prompt text, prompt ids, resolved params, ``n`` core requests).
+
+        Completion ``i`` of an ``n > 1`` request gets core id ``f"{request_id}-{i}"`` and, when seeded,
+        seed ``seed + i``; siblings reuse the first completion's prompt blocks.
+        """
+        text, ids = self.to_token_ids(prompt, add_special_tokens)
+        params = self.validate_params(params, len(ids))
+        now = time.time()
+        requests: list[Request] = []
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            requests.append(Request(core_id, ids, params, self.eos_token_id, now, parent_id=request_id,
+                                    index=i, group_leader=requests[0] if requests else None))
+        return text, ids, params, requests
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs: Any) -> str:
+        """Render a conversation with the model's chat template (transformers' Jinja renderer).
+
+        Raises:
+            ValueError: the messages are malformed or the template fails.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
+        except Exception as e:
+            raise ValueError(f"chat template failed: {e}") from e

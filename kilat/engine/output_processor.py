@@ -1,0 +1,113 @@
+"""Core outputs → :class:`RequestOutput`: detokenization, stop strings, logprob text, ``n > 1`` fan-in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kilat.core.engine_core import EngineCoreOutput
+from kilat.core.request import Request
+from kilat.engine.detokenizer import IncrementalDetokenizer
+from kilat.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kilat.sampling_params import SamplingParams
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    params: SamplingParams
+    detokenizers: list[IncrementalDetokenizer]
+    num_unfinished: int
+    core_ids: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Keeps the user-visible state of every request in flight.
+
+    Args:
+        tokenizer: a transformers tokenizer (for text and logprob tokens).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+        self._core_to_parent: dict[str, tuple[str, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, core_requests: list[Request]) -> None:
+        """Start tracking a request and its ``n`` core requests.
+
+        Raises:
+            ValueError: the request id is already in flight.
+        """
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        completions = [CompletionOutput(index=i, text="", token_ids=[],
+                                        logprobs=[] if params.logprobs is not None else None)
+                       for i in range(params.n)]
+        output = RequestOutput(request_id, prompt, prompt_token_ids, completions, finished=False,
+                               metrics=core_requests[0].metrics)
+        detoks = [IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids) for _ in range(params.n)]
+        self._states[request_id] = _RequestState(output, params, detoks, params.n,
+                                                 [r.request_id for r in core_requests])
+        for r in core_requests:
+            self._core_to_parent[r.request_id] = (request_id, r.index)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Stop tracking a request; returns its core ids (for the engine core to abort)."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return []
+        for cid in state.core_ids:
+            self._core_to_parent.pop(cid, None)
+        return state.core_ids
+
+    def _decode_logprobs(self, entries: list[PositionLogprobs]) -> list[PositionLogprobs]:
+        for entry in entries:
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return entries
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's core outputs.
+
+        Returns the updated requests (finished ones leave the processor) and the core ids whose stop
+        string matched, which the caller must abort in the engine core.
+        """
+        updated: dict[str, RequestOutput] = {}
+        to_abort: list[str] = []
+        for co in core_outputs:
+            parent = self._core_to_parent.get(co.request_id)
+            if parent is None:
+                continue
+            state = self._states[parent[0]]
+            completion = state.output.outputs[parent[1]]
+            stop_terminated = co.finish_reason == "stop"
+            stop_str = state.detokenizers[parent[1]].add_tokens(co.new_token_ids, stop_terminated)
+            completion.token_ids.extend(co.new_token_ids)
+            completion.text = state.detokenizers[parent[1]].output_text
+            if co.new_logprobs is not None and completion.logprobs is not None:
+                completion.logprobs.extend(self._decode_logprobs(co.new_logprobs))
+            if co.prompt_logprobs is not None and state.output.prompt_logprobs is None:
+                state.output.prompt_logprobs = [None] + self._decode_logprobs(
+                    [e for e in co.prompt_logprobs if e is not None])
+            state.output.num_cached_tokens = co.num_cached_tokens
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+            if stop_str is not None:
+                if finish_reason is None:
+                    to_abort.append(co.request_id)
+                finish_reason, stop_reason = "stop", stop_str
+            if finish_reason is not None:
+                completion.finish_reason = finish_reason
+                completion.stop_reason = stop_reason
+                state.num_unfinished -= 1
+                self._core_to_parent.pop(co.request_id, None)
+            updated[parent[0]] = state.output
+        for rid, output in updated.items():
+            if self._states[rid].num_unfinished == 0:
+                output.finished = True
+                del self._states[rid]
+        return list(updated.values()), to_abort

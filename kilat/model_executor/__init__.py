@@ -1,0 +1,1 @@
+"""Model execution: forward context, attention backends, layers, models and weight loading."""

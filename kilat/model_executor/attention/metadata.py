@@ -1,0 +1,208 @@
+"""Per-step attention metadata, built once per step and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillPlan:
+    """A request with more than one new token; the reference backend attends it on its own.
+
+    Attributes:
+        start, end: rows ``[start, end)`` of its new tokens in the flattened batch.
+        context_len: tokens already in the KV cache before this step (``seq_len - query_len``).
+        seq_len: context + new tokens.
+        slots: int64 ``[seq_len]`` cache slots of all its positions, or ``None`` when ``context_len == 0``
+            (the keys are then exactly the step's new keys and need no gather).
+    """
+
+    start: int
+    end: int
+    context_len: int
+    seq_len: int
+    slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer needs to know about one step's batch.
+
+    A batch holds ``num_reqs`` requests; request ``r`` has ``query_len[r]`` new tokens, which are the last
+    positions of its ``seq_len[r]`` tokens. Its new tokens occupy rows
+    ``query_start_loc[r]:query_start_loc[r + 1]`` of the flattened batch. The slot of position ``p`` is
+    ``block_table[r][p // block_size] * block_size + p % block_size``.
+
+    Attributes:
+        query_start_loc: int32 ``[num_reqs + 1]``, cumulative new-token counts (cu_seqlens).
+        seq_lens: int32 ``[num_reqs]``, context + new tokens per request.
+        block_table: int32 ``[num_reqs, max_blocks]``, KV block ids per request, padded with block 0.
+        slot_mapping: int64 ``[num_new_tokens]``, cache slot of every new token.
+        max_query_len: most new tokens of one request.
+        max_seq_len: longest ``seq_len``.
+        block_size: token slots per KV block.
+        num_decode_tokens: number of requests with exactly one new token ("decodes").
+        decode_rows: batch rows of the decodes: a ``slice`` when they lead the batch, else an int64 tensor.
+        decode_slots: int64 ``[num_decode_tokens * decode_max_seq_len]``, the cache slots of every decode's
+            positions ``0..decode_max_seq_len-1`` (past its ``seq_len``: padding, masked out), or ``None``.
+        decode_seq_lens: int64 ``[num_decode_tokens]``, or ``None``.
+        decode_max_seq_len: longest ``seq_len`` among decodes (0 if none).
+        prefills: one :class:`PrefillPlan` per request with more than one new token.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    num_decode_tokens: int
+    decode_rows: slice | torch.Tensor
+    decode_slots: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    decode_max_seq_len: int
+    prefills: list[PrefillPlan]
+    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of requests in the batch."""
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str) -> AttentionMetadata:
+        """Build the metadata of one step (once; every layer reuses it).
+
+        Args:
+            query_lens: new tokens per request (>= 1).
+            seq_lens: context + new tokens per request (>= its query_len).
+            block_tables: KV block ids per request, enough to hold ``seq_len`` tokens.
+            block_size: token slots per block.
+            device: where the tensors live.
+
+        Raises:
+            ValueError: on mismatched list lengths, an empty batch, a query longer than its sequence, or a
+                block table too short for its sequence.
+        """
+        num_reqs = len(query_lens)
+        if num_reqs == 0 or len(seq_lens) != num_reqs or len(block_tables) != num_reqs:
+            raise ValueError(f"need one query_len, seq_len and block table per request, got {len(query_lens)}, "
+                             f"{len(seq_lens)}, {len(block_tables)}")
+        for r, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            if not 1 <= q <= s:
+                raise ValueError(f"request {r}: need 1 <= query_len <= seq_len, got {q} and {s}")
+            if len(bt) * block_size < s:
+                raise ValueError(f"request {r}: {len(bt)} blocks of {block_size} cannot hold {s} tokens")
+
+        max_blocks = max(len(bt) for bt in block_tables)
+        table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.int64)
+        q_t = torch.tensor(query_lens, dtype=torch.int64)
+        s_t = torch.tensor(seq_lens, dtype=torch.int64)
+        start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        torch.cumsum(q_t, 0, out=start_loc[1:])
+        num_tokens = int(start_loc[-1])
+
+        # Position and slot of every new token: request r's new tokens are positions seq_len - query_len ...
+        req = torch.repeat_interleave(torch.arange(num_reqs), q_t)
+        pos = torch.arange(num_tokens) - start_loc[req] + (s_t - q_t)[req]
+        slot_mapping = _slots(table[req, pos // block_size], pos, block_size)
+
+        decodes = [r for r, q in enumerate(query_lens) if q == 1]
+        num_decodes = len(decodes)
+        decode_rows: slice | torch.Tensor = slice(0, num_decodes)
+        decode_slots = decode_seq_lens = None
+        decode_max = 0
+        if decodes:
+            dec_idx = torch.tensor(decodes, dtype=torch.int64)
+            if decodes[-1] != num_decodes - 1:  # decodes do not lead the batch
+                decode_rows = start_loc[dec_idx].to(device)
+            decode_max = max(seq_lens[r] for r in decodes)
+            positions = torch.arange(decode_max)
+            decode_slots = _slots(table[dec_idx][:, positions // block_size], positions,
+                                  block_size).reshape(-1).to(device)
+            decode_seq_lens = s_t[dec_idx].to(device)
+
+        starts = start_loc.tolist()
+        prefills = []
+        for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if q == 1:
+                continue
+            slots = None
+            if s > q:
+                positions = torch.arange(s)
+                slots = _slots(table[r, positions // block_size], positions, block_size).to(device)
+            prefills.append(PrefillPlan(starts[r], starts[r + 1], s - q, s, slots))
+
+        return cls(
+            query_start_loc=start_loc.to(device=device, dtype=torch.int32),
+            seq_lens=s_t.to(device=device, dtype=torch.int32),
+            block_table=table.to(device=device, dtype=torch.int32),
+            slot_mapping=slot_mapping.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            num_decode_tokens=num_decodes,
+            decode_rows=decode_rows,
+            decode_slots=decode_slots,
+            decode_seq_lens=decode_seq_lens,
+            decode_max_seq_len=decode_max,
+            prefills=prefills,
+        )
+
+    def decode_mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
+        """Key mask of the decodes, bool ``[num_decode_tokens, 1, 1, decode_max_seq_len]`` (True = attend).
+
+        ``None`` when every decode sees all ``decode_max_seq_len`` keys. With ``sliding_window`` ``w`` the
+        token at position ``p`` sees keys ``p - w < j <= p`` (as HF's ``sliding_window_overlay``). Cached:
+        computed once per step and window, not per layer.
+        """
+        window = _effective_window(sliding_window, self.decode_max_seq_len)
+        key = (-1, window)
+        if key not in self._masks:
+            seq_lens = self.decode_seq_lens
+            if window is None and bool((seq_lens == self.decode_max_seq_len).all()):
+                self._masks[key] = None
+            else:
+                keys = torch.arange(self.decode_max_seq_len, device=seq_lens.device)
+                mask = keys < seq_lens[:, None]
+                if window is not None:
+                    mask &= keys > (seq_lens[:, None] - 1 - window)
+                self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, sliding_window: int | None = None) -> torch.Tensor | None:
+        """Causal mask of ``prefills[index]``, bool ``[query_len, seq_len]`` (True = attend).
+
+        New token ``i`` (position ``context_len + i``) sees keys ``0..context_len + i`` (and, with a sliding
+        window ``w``, only those after ``context_len + i - w``). ``None`` when a plain top-left causal mask
+        is exact (no context, window not binding), so SDPA can use ``is_causal=True``. Cached per step.
+        """
+        plan = self.prefills[index]
+        window = _effective_window(sliding_window, plan.seq_len)
+        key = (index, window)
+        if key not in self._masks:
+            if plan.context_len == 0 and window is None:
+                self._masks[key] = None
+            else:
+                device = self.slot_mapping.device
+                query_pos = torch.arange(plan.context_len, plan.seq_len, device=device)[:, None]
+                keys = torch.arange(plan.seq_len, device=device)
+                mask = keys <= query_pos
+                if window is not None:
+                    mask &= keys > query_pos - window
+                self._masks[key] = mask
+        return self._masks[key]
+
+
+def _effective_window(sliding_window: int | None, seq_len: int) -> int | None:
+    """The window, or ``None`` when it cannot exclude any key of a ``seq_len``-token sequence."""
+    return sliding_window if sliding_window is not None and sliding_window < seq_len else None
+
+
+def _slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots ``block_id * block_size + position % block_size`` (int64, shape of ``positions``)."""
+    return block_ids * block_size + positions % block_size

@@ -1,0 +1,91 @@
+"""The plain-torch reference attention backend over a paged KV cache.
+
+It serves the CPU and is the oracle for faster backends. A step's decodes (requests with one new token)
+are attended together: one gather of their paged context and one ``scaled_dot_product_attention`` call,
+padded to the longest context with a key mask. Requests with several new tokens (prefill chunks) are
+attended one by one with the causal offset of their context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kilat.model_executor.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's new keys and values in the paged cache.
+
+    Args:
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 keys, 1 values), updated in place.
+        key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the cache dtype (may be strided views).
+        slot_mapping: int64 ``[num_new_tokens]`` flat slot of each new token.
+    """
+    flat = kv_cache.view(2, -1, kv_cache.shape[3] * kv_cache.shape[4])
+    num_tokens = key.shape[0]
+    flat[0].index_copy_(0, slot_mapping, key.reshape(num_tokens, -1))
+    flat[1].index_copy_(0, slot_mapping, value.reshape(num_tokens, -1))
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of every new token over its request's whole paged context.
+
+    Call after :func:`write_kv` has stored this step's keys and values. Heads follow grouped-query attention
+    (Ainslie et al., 2023): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+    Args:
+        query: ``[num_new_tokens, num_heads, head_dim]``.
+        key, value: ``[num_new_tokens, num_kv_heads, head_dim]``, the step's new keys/values (used directly
+            for prefills without context, saving a gather).
+        kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
+        metadata: the step's :class:`AttentionMetadata`.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p`` (Mistral).
+
+    Returns:
+        ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
+    """
+    if metadata.num_decode_tokens == query.shape[0]:
+        return _decode_attention(query, kv_cache, metadata, scale, sliding_window)
+    out = torch.empty_like(query)
+    if metadata.num_decode_tokens:
+        rows = metadata.decode_rows
+        out[rows] = _decode_attention(query[rows], kv_cache, metadata, scale, sliding_window)
+    cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    for i, plan in enumerate(metadata.prefills):
+        q = query[plan.start:plan.end].transpose(0, 1)
+        if plan.slots is None:
+            k, v = key[plan.start:plan.end], value[plan.start:plan.end]
+        else:
+            k, v = cache.index_select(1, plan.slots).unbind(0)
+        mask = metadata.prefill_mask(i, sliding_window)
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[plan.start:plan.end] = o.transpose(0, 1)
+    return out
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+    """Attention of the decodes: one gather and one SDPA call for all of them.
+
+    The ``g = num_heads // num_kv_heads`` query heads that share a KV head are laid out as ``g`` query rows
+    of that head, so SDPA runs as plain multi-head attention without repeating K/V.
+
+    Args:
+        query: ``[num_decodes, num_heads, head_dim]``.
+
+    Returns:
+        ``[num_decodes, num_heads, head_dim]``.
+    """
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, metadata.decode_slots)
+    kv = kv.view(2, num_decodes, metadata.decode_max_seq_len, num_kv_heads, head_dim).transpose(2, 3)
+    q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=metadata.decode_mask(sliding_window),
+                                       scale=scale)
+    return o.reshape(num_decodes, num_heads, head_dim)

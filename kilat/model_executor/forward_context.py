@@ -1,0 +1,58 @@
+"""The per-step forward context read by attention layers.
+
+The model runner wraps every ``model.forward`` in ``set_forward_context(...)``; each attention layer then
+finds the step's :class:`~kilat.model_executor.attention.AttentionMetadata` and its own KV cache here, so
+that model code never carries batching details in its signatures (the pattern of vLLM and nano-vllm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kilat.model_executor.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    """Everything an attention layer needs for one forward step.
+
+    Attributes:
+        attn_metadata: the step's attention metadata (built once per step).
+        kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model
+            dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
+    """
+
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` the current forward context for the duration of the ``with`` block (re-entrant)."""
+    global _current
+    previous = _current
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """Return the current forward context.
+
+    Raises:
+        RuntimeError: when called outside ``set_forward_context``.
+    """
+    if _current is None:
+        raise RuntimeError("no forward context is set; wrap model.forward in set_forward_context(...)")
+    return _current

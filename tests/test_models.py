@@ -1,0 +1,204 @@
+"""Every supported architecture against HF transformers: logits of tiny random float32 models through
+kilat's paged KV cache (mixed batches, chunked prefill, decode) match HF's per-prompt forward."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kilat.config import ModelConfig
+from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
+from kilat.model_executor.forward_context import ForwardContext, set_forward_context
+from kilat.model_executor.layers import RotaryEmbedding, apply_rotary, pack_linear_weights, rope_inv_freq
+from kilat.model_executor.loader import get_model, iterate_safetensors
+from kilat.model_executor.models import get_model_class
+
+ATOL = 1e-4
+_COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 256}
+
+CASES: dict[str, PretrainedConfig] = {
+    "llama-gqa-untied": LlamaConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                    tie_word_embeddings=False),
+    "llama-mqa-tied-biases": LlamaConfig(**_COMMON, vocab_size=128, num_attention_heads=4, num_key_value_heads=1,
+                                         tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "llama-mha-llama3-rope": LlamaConfig(
+        **_COMMON, vocab_size=200, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "mistral-sliding-window": MistralConfig(**_COMMON, vocab_size=256, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                            tie_word_embeddings=False),
+    "qwen2-tied-qkv-bias": Qwen2Config(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                       tie_word_embeddings=True),
+    "qwen2-sliding-layers": Qwen2Config(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                        use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3-qk-norm-head-dim": Qwen3Config(**_COMMON, vocab_size=256, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[Path, torch.nn.Module]:
+    """A tiny random float32 HF model saved to disk, and the HF model itself as the oracle."""
+    config = CASES[request.param]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF init leaves biases 0 and norms 1; randomize everything so all of it is tested
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def _load(path: Path, dtype: str = "float32") -> torch.nn.Module:
+    model, config, torch_dtype = get_model(ModelConfig(model=str(path), dtype=dtype), "cpu")
+    assert torch_dtype == getattr(torch, dtype)
+    return model
+
+
+def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids[None]).logits[0].float()
+
+
+class _Sequences:
+    """Drives kilat's model over several steps with paged KV (shuffled, non-contiguous blocks)."""
+
+    def __init__(self, model: torch.nn.Module, total_lens: list[int], block_size: int) -> None:
+        self.model, self.block_size = model, block_size
+        counts = [math.ceil(n / block_size) for n in total_lens]
+        num_blocks = sum(counts) + 2
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+        self.tables = [perm[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
+        dtype = next(model.parameters()).dtype
+        self.kv = allocate_kv_caches(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+                                     dtype, "cpu")
+
+    def step(self, chunks: list[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """One forward over ``(request, new token ids, context_len)`` chunks; logits of every new token."""
+        query_lens = [len(ids) for _, ids, _ in chunks]
+        seq_lens = [ctx + len(ids) for _, ids, ctx in chunks]
+        md = AttentionMetadata.build(query_lens, seq_lens, [self.tables[r] for r, _, _ in chunks], self.block_size,
+                                     "cpu")
+        input_ids = torch.cat([ids for _, ids, _ in chunks])
+        positions = torch.cat([torch.arange(ctx, ctx + len(ids)) for _, ids, ctx in chunks])
+        with torch.inference_mode(), set_forward_context(ForwardContext(md, self.kv)):
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)
+        assert hidden.shape == (len(input_ids), self.model.config.hidden_size)
+        assert logits.dtype == torch.float32
+        return list(logits.split(query_lens))
+
+
+def test_mixed_prompt_lengths_one_batch(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = checkpoint
+    model = _load(path)
+    lens = [1, 5, 17, 33]
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
+    runner = _Sequences(model, lens, block_size=4)
+    outs = runner.step([(r, ids, 0) for r, ids in enumerate(prompts)])
+    for ids, out in zip(prompts, outs, strict=True):
+        torch.testing.assert_close(out, _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_and_decode(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = checkpoint
+    model = _load(path)
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(0, hf.config.vocab_size, (33,), generator=g)  # prompt computed in 3 chunks
+    b = torch.randint(0, hf.config.vocab_size, (22,), generator=g)  # 20-token prompt, then 2 decode steps
+    runner = _Sequences(model, [33, 22], block_size=8)
+    a1, b1 = runner.step([(0, a[:10], 0), (1, b[:20], 0)])
+    b2, a2 = runner.step([(1, b[20:21], 20), (0, a[10:23], 10)])
+    a3, b3 = runner.step([(0, a[23:], 23), (1, b[21:22], 21)])
+    torch.testing.assert_close(torch.cat([a1, a2, a3]), _hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([b1, b2, b3]), _hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_decode_only_batch(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = checkpoint
+    model = _load(path)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g) for n in (6, 9, 13)]
+    runner = _Sequences(model, [len(s) for s in seqs], block_size=4)
+    prefill = runner.step([(r, s[:-2], 0) for r, s in enumerate(seqs)])
+    step1 = runner.step([(r, s[-2:-1], len(s) - 2) for r, s in enumerate(seqs)])
+    step2 = runner.step([(r, s[-1:], len(s) - 1) for r, s in enumerate(seqs)])
+    for r, s in enumerate(seqs):
+        got = torch.cat([prefill[r], step1[r], step2[r]])
+        torch.testing.assert_close(got, _hf_logits(hf, s), atol=ATOL, rtol=0)
+
+
+def test_bfloat16_packed_linears_match_dense(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = checkpoint
+    packed = _load(path, "bfloat16")
+    dense = get_model_class(hf.config.architectures[0])(packed.config, torch.bfloat16)
+    dense.load_weights(iterate_safetensors(str(path)))
+    ids = torch.randint(0, hf.config.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    got = _Sequences(packed, [12], 4).step([(0, ids, 0)])[0]
+    want = _Sequences(dense, [12], 4).step([(0, ids, 0)])[0]
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=0.15, rtol=0.1)
+
+
+def test_packing_is_cpu_bfloat16_only(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = checkpoint
+    assert pack_linear_weights(_load(path)) == 0
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+], ids=lambda r: r["rope_type"])
+def test_rotary_matches_hf(rope: dict) -> None:
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=256,
+                         rope_parameters=dict(rope))
+    positions = torch.arange(256)
+    q, k = torch.randn(1, 2, 256, 64), torch.randn(1, 2, 256, 64)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = RotaryEmbedding(64, 256, *rope_inv_freq(config, 64), dtype=torch.float32)
+    our_cos, our_sin = ours(positions)
+    torch.testing.assert_close(apply_rotary(q[0].transpose(0, 1), our_cos, our_sin), want_q[0].transpose(0, 1),
+                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(apply_rotary(k[0].transpose(0, 1), our_cos, our_sin), want_k[0].transpose(0, 1),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_registry_rejects_unknown_architecture() -> None:
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert get_model_class(arch)
+    with pytest.raises(ValueError, match="supported.*LlamaForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_load_weights_reports_missing_and_unexpected() -> None:
+    config = CASES["llama-gqa-untied"]
+    model = get_model_class("LlamaForCausalLM")(config, torch.float32)
+    weights = AutoModelForCausalLM.from_config(config).state_dict()
+    model.load_weights(list(weights.items()) + [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8))])
+    incomplete = {k: v for k, v in weights.items() if not k.endswith("layers.1.self_attn.k_proj.weight")}
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.qkv_proj.weight \(shard 1\)'\]"):
+        model.load_weights(incomplete.items())
+    with pytest.raises(ValueError, match="unexpected.*model.layers.0.self_attn.q_proj.bias"):
+        model.load_weights([*weights.items(), ("model.layers.0.self_attn.q_proj.bias", torch.zeros(64))])
+    with pytest.raises(ValueError, match="shape"):
+        model.load_weights([("model.norm.weight", torch.ones(3))])
