@@ -148,6 +148,20 @@ class Noise:
             self.other_cores = round(max(other, 0.0) / wall, 3) if wall > 0 else None
 
 
+def wait_quiet(max_wait_s: float, threshold: float = 0.2, sample_s: float = 5.0) -> dict[str, Any]:
+    """Wait (at most ``max_wait_s``) until other processes use under ``threshold`` cores over ``sample_s``."""
+    t0 = time.perf_counter()
+    samples: list[float | None] = []
+    while True:
+        with Noise() as n:
+            time.sleep(sample_s)
+        samples.append(n.other_cores)
+        quiet = n.other_cores is not None and n.other_cores < threshold
+        if quiet or time.perf_counter() - t0 >= max_wait_s:
+            return {"quiet": quiet, "waited_s": round(time.perf_counter() - t0, 1),
+                    "other_procs_cores_samples": samples}
+
+
 # ----------------------------------------------------------------------------------------------- prompts
 
 
@@ -237,6 +251,8 @@ def kilat_w2_once(llm: Any, prompt: list[int], n_out: int) -> RunResult:
 def run_kilat(args: argparse.Namespace, w1: W1Spec, w2: W2Spec, workloads: list[str]) -> tuple[
         list[RunResult], dict[str, Any], Any]:
     """Load kilat once, warm up, run the workloads; returns results, engine info and the LLM."""
+    if str(REPO_ROOT) not in sys.path:  # benchmark this checkout's kilat, installed or not
+        sys.path.insert(0, str(REPO_ROOT))
     import kilat
     from kilat import LLM
 
@@ -244,7 +260,8 @@ def run_kilat(args: argparse.Namespace, w1: W1Spec, w2: W2Spec, workloads: list[
     t = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t
-    info = {"version": getattr(kilat, "__version__", None), "engine_args": kw, "load_s": load_s,
+    info = {"version": getattr(kilat, "__version__", None), "path": str(Path(kilat.__file__).parent),
+            "engine_args": kw, "load_s": load_s,
             "torch_threads_after_load": torch.get_num_threads()}
     t = time.perf_counter()
     warm = w1_prompts(w1, seed=WARMUP_SEED)[:8]
@@ -440,18 +457,23 @@ def run_contention(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
                 with busy_core(busy):
                     kilat_w2_once(llm, w2_prompt(spec, 10_000 + k), 8)  # settle the new thread count
                     runs = []
-                    for _ in range(repeats):
+                    t_case = time.perf_counter()
+                    for _ in range(repeats):  # stop early when a case is very slow (a loaded machine)
                         k += 1
                         runs.append(kilat_w2_once(llm, w2_prompt(spec, k), n_out))
+                        if time.perf_counter() - t_case > args.contention_case_budget:
+                            break
                 decodes = [r.decode_tokens_per_s or float("nan") for r in runs]
                 key = f"threads{threads}_{'busy' if busy else 'quiet'}"
-                table["runs"][key] = {"decode_tokens_per_s_median": statistics.median(decodes),
+                table["runs"][key] = {"num_runs": len(runs),"decode_tokens_per_s_median": statistics.median(decodes),
                                       "decode_tokens_per_s": decodes,
                                       "step_time_ms_median": 1000 / statistics.median(decodes),
                                       "ttft_s": [r.ttft_s for r in runs],
                                       "other_procs_cores": [r.extra["other_procs_cores"] for r in runs]}
                 print(f"  contention {key:16s} decode {statistics.median(decodes):7.1f} tok/s "
-                      f"(runs {', '.join(f'{d:.1f}' for d in decodes)})", flush=True)
+                      f"(runs {', '.join(f'{d:.1f}' for d in decodes)}; other processes "
+                      f"{statistics.median(r.extra['other_procs_cores'] or 0.0 for r in runs):.2f} cores)",
+                      flush=True)
     finally:
         torch.set_num_threads(saved)
     return table
@@ -553,6 +575,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also measure kilat batch-1 decode at 1 and 2 threads, quiet and with one core busy")
     p.add_argument("--contention-tokens", type=int, default=64)
     p.add_argument("--contention-repeats", type=int, default=3)
+    p.add_argument("--contention-case-budget", type=float, default=45.0, metavar="SECONDS",
+                   help="no further repeats of a contention case once it has run this long")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for other processes to leave the CPUs idle")
     p.add_argument("--w2-repeats", type=int, default=3)
     p.add_argument("--hf-batch-sizes", default="16,64", help="static batch sizes tried by hf_generate on W1")
     p.add_argument("--kilat-max-model-len", type=int, default=512)
@@ -594,6 +620,21 @@ def main(argv: list[str] | None = None) -> int:
         "engines": {}, "results": [], "errors": {},
     }
     results: list[RunResult] = []
+
+    def save(final: bool = False) -> None:
+        """Write the JSON so far; called after every engine, so a killed run keeps what it measured."""
+        report["complete"] = final
+        report["machine"]["load_avg_at_end"] = os.getloadavg()
+        report["results"] = [asdict(r) for r in results]
+        report["ratios"] = compute_ratios(results)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    if args.wait_quiet > 0:
+        report["wait_quiet"] = wait_quiet(args.wait_quiet)
+        print(f"wait-quiet: {report['wait_quiet']}", flush=True)
+        report["machine"]["load_avg_at_start"] = os.getloadavg()  # after the wait, not before it
     if os.getloadavg()[0] > 0.5:
         print(f"warning: load average {os.getloadavg()[0]:.2f} at start; other processes will skew the "
               f"numbers (see other_procs_cores in the results)", flush=True)
@@ -615,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # record and go on with the other engines
                     report["errors"][name] = f"{type(e).__name__}: {e}"
                     print(f"  {name} failed: {e}", flush=True)
+                save()
         del model
         gc.collect()
         torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
@@ -629,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             report["errors"]["kilat"] = f"{type(e).__name__}: {e}"
             print(f"  kilat failed: {e}", flush=True)
+        save()
 
     if args.contention:
         print("[contention]", flush=True)
@@ -637,13 +680,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["contention"] = run_contention(llm, args)
 
-    report["machine"]["load_avg_at_end"] = os.getloadavg()
-    report["results"] = [asdict(r) for r in results]
-    report["ratios"] = compute_ratios(results)
+    save(final=True)
     print_table(results, report["ratios"])
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 1 if report["errors"] else 0
 

@@ -4,7 +4,7 @@
 def _long_prompt() -> str:
     lines = [f"Day {i}: the sensor in greenhouse {i % 7} read {20 + (i * 37) % 15} degrees and "
              f"{40 + (i * 53) % 50} percent humidity; the tomatoes in row {i % 11} were watered "
-             f"{1 + i % 3} times." for i in range(1, 61)]
+             f"{1 + i % 3} times." for i in range(1, 42)]
     return "Here is a log of a greenhouse:\n" + "\n".join(lines) + "\nWhich day was the warmest, and why?"
 
 

@@ -87,7 +87,8 @@ def test_metadata_build_slots_and_layout() -> None:
     assert md.slot_mapping.dtype == torch.int64 and md.slot_mapping.tolist() == [30, 31, 8, 24]
     assert (md.max_query_len, md.max_seq_len, md.num_decode_tokens) == (3, 9, 1)
     assert md.num_reqs == 2
-    assert md.decode_rows.tolist() == [3]  # the decode does not lead the batch
+    assert md.decode.rows.tolist() == [3]  # the decode does not lead the batch
+    assert md.decode.slots.tolist() == [16 + i for i in range(4)] + [0, 1, 2, 3] + [24]
     assert [(p.start, p.end, p.context_len) for p in md.prefills] == [(0, 3, 2)]
 
 

@@ -7,7 +7,6 @@ Owns the model, the paged KV cache tensors and the sampler. Input tensors are bu
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -16,6 +15,7 @@ from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request
 from kilat.core.scheduler import SchedulerOutput
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
+from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
@@ -24,16 +24,6 @@ from kilat.outputs import PositionLogprobs
 logger = logging.getLogger("kilat")
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
-
-
-def configure_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads for the CPU path; returns the number used.
-
-    ``None`` means one thread per core available to this process.
-    """
-    n = num_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(n)
-    return n
 
 
 class ModelRunner:
@@ -50,8 +40,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            configure_threads(config.num_threads)
+        self.threads = ThreadGovernor(config.num_threads) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
         self.vocab_size = self.hf_config.vocab_size
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -113,6 +102,8 @@ class ModelRunner:
         Returns request id → (sampled token id, its logprobs or ``None``). Prompt logprobs, when asked
         for, are appended to ``request.prompt_logprobs``.
         """
+        if self.threads is not None:
+            self.threads.maybe_adjust()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []

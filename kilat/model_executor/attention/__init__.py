@@ -2,12 +2,13 @@
 
 from kilat.model_executor.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from kilat.model_executor.attention.layer import Attention
-from kilat.model_executor.attention.metadata import AttentionMetadata, PrefillPlan
+from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kilat.model_executor.attention.torch_ref import paged_attention, write_kv
 
 __all__ = [
     "Attention",
     "AttentionMetadata",
+    "DecodePlan",
     "PrefillPlan",
     "allocate_kv_caches",
     "kv_cache_bytes_per_block",

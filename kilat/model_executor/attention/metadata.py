@@ -8,6 +8,37 @@ import torch
 
 
 @dataclass
+class DecodePlan:
+    """The step's decodes (requests with exactly one new token), attended together in one batched call.
+
+    Attributes:
+        rows: their rows in the flattened batch: a ``slice`` when they lead the batch, else int64 indices.
+        slots: int64 ``[num_decodes * max_seq_len]`` cache slots of each decode's positions
+            ``0..max_seq_len-1`` (past its own ``seq_len``: padding, masked out).
+        seq_lens: int64 ``[num_decodes]``.
+        max_seq_len: the longest of ``seq_lens``.
+    """
+
+    rows: slice | torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
+              block_size: int, device: torch.device | str) -> DecodePlan:
+        """Plan the decodes ``decodes`` (request indices) of a batch with block ``table`` (int64, CPU)."""
+        num_decodes = len(decodes)
+        index = torch.tensor(decodes, dtype=torch.int64)
+        rows = slice(0, num_decodes) if decodes[-1] == num_decodes - 1 else start_loc[index].to(device)
+        max_seq_len = max(seq_lens[r] for r in decodes)
+        positions = torch.arange(max_seq_len)
+        slots = _slots(table[index][:, positions // block_size], positions, block_size)
+        lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64)
+        return cls(rows, slots.reshape(-1).to(device), lens.to(device), max_seq_len)
+
+
+@dataclass
 class PrefillPlan:
     """A request with more than one new token; the reference backend attends it on its own.
 
@@ -44,12 +75,8 @@ class AttentionMetadata:
         max_seq_len: longest ``seq_len``.
         block_size: token slots per KV block.
         num_decode_tokens: number of requests with exactly one new token ("decodes").
-        decode_rows: batch rows of the decodes: a ``slice`` when they lead the batch, else an int64 tensor.
-        decode_slots: int64 ``[num_decode_tokens * decode_max_seq_len]``, the cache slots of every decode's
-            positions ``0..decode_max_seq_len-1`` (past its ``seq_len``: padding, masked out), or ``None``.
-        decode_seq_lens: int64 ``[num_decode_tokens]``, or ``None``.
-        decode_max_seq_len: longest ``seq_len`` among decodes (0 if none).
-        prefills: one :class:`PrefillPlan` per request with more than one new token.
+        decode: the plan of the decodes, ``None`` when there are none.
+        prefills: one :class:`PrefillPlan` per request with more than one new token, in batch order.
     """
 
     query_start_loc: torch.Tensor
@@ -60,10 +87,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_decode_tokens: int
-    decode_rows: slice | torch.Tensor
-    decode_slots: torch.Tensor | None
-    decode_seq_lens: torch.Tensor | None
-    decode_max_seq_len: int
+    decode: DecodePlan | None
     prefills: list[PrefillPlan]
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
 
@@ -104,38 +128,23 @@ class AttentionMetadata:
         s_t = torch.tensor(seq_lens, dtype=torch.int64)
         start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
         torch.cumsum(q_t, 0, out=start_loc[1:])
-        num_tokens = int(start_loc[-1])
 
-        # Position and slot of every new token: request r's new tokens are positions seq_len - query_len ...
+        # Request r's new tokens are its positions seq_len - query_len ... seq_len - 1.
         req = torch.repeat_interleave(torch.arange(num_reqs), q_t)
-        pos = torch.arange(num_tokens) - start_loc[req] + (s_t - q_t)[req]
+        pos = torch.arange(req.shape[0]) - start_loc[req] + (s_t - q_t)[req]
         slot_mapping = _slots(table[req, pos // block_size], pos, block_size)
 
         decodes = [r for r, q in enumerate(query_lens) if q == 1]
-        num_decodes = len(decodes)
-        decode_rows: slice | torch.Tensor = slice(0, num_decodes)
-        decode_slots = decode_seq_lens = None
-        decode_max = 0
-        if decodes:
-            dec_idx = torch.tensor(decodes, dtype=torch.int64)
-            if decodes[-1] != num_decodes - 1:  # decodes do not lead the batch
-                decode_rows = start_loc[dec_idx].to(device)
-            decode_max = max(seq_lens[r] for r in decodes)
-            positions = torch.arange(decode_max)
-            decode_slots = _slots(table[dec_idx][:, positions // block_size], positions,
-                                  block_size).reshape(-1).to(device)
-            decode_seq_lens = s_t[dec_idx].to(device)
-
+        decode = DecodePlan.build(decodes, seq_lens, table, start_loc, block_size, device) if decodes else None
         starts = start_loc.tolist()
         prefills = []
         for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            if q == 1:
-                continue
-            slots = None
-            if s > q:
-                positions = torch.arange(s)
-                slots = _slots(table[r, positions // block_size], positions, block_size).to(device)
-            prefills.append(PrefillPlan(starts[r], starts[r + 1], s - q, s, slots))
+            if q > 1:
+                slots = None
+                if s > q:
+                    positions = torch.arange(s)
+                    slots = _slots(table[r, positions // block_size], positions, block_size).to(device)
+                prefills.append(PrefillPlan(starts[r], starts[r + 1], s - q, s, slots))
 
         return cls(
             query_start_loc=start_loc.to(device=device, dtype=torch.int32),
@@ -145,32 +154,29 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=block_size,
-            num_decode_tokens=num_decodes,
-            decode_rows=decode_rows,
-            decode_slots=decode_slots,
-            decode_seq_lens=decode_seq_lens,
-            decode_max_seq_len=decode_max,
+            num_decode_tokens=len(decodes),
+            decode=decode,
             prefills=prefills,
         )
 
     def decode_mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
-        """Key mask of the decodes, bool ``[num_decode_tokens, 1, 1, decode_max_seq_len]`` (True = attend).
+        """Key mask of the decodes, bool ``[num_decode_tokens, 1, 1, decode.max_seq_len]`` (True = attend).
 
-        ``None`` when every decode sees all ``decode_max_seq_len`` keys. With ``sliding_window`` ``w`` the
+        ``None`` when every decode sees all ``decode.max_seq_len`` keys. With ``sliding_window`` ``w`` the
         token at position ``p`` sees keys ``p - w < j <= p`` (as HF's ``sliding_window_overlay``). Cached:
         computed once per step and window, not per layer.
         """
-        window = _effective_window(sliding_window, self.decode_max_seq_len)
+        plan = self.decode
+        window = _effective_window(sliding_window, plan.max_seq_len)
         key = (-1, window)
         if key not in self._masks:
-            seq_lens = self.decode_seq_lens
-            if window is None and bool((seq_lens == self.decode_max_seq_len).all()):
+            if window is None and bool((plan.seq_lens == plan.max_seq_len).all()):
                 self._masks[key] = None
             else:
-                keys = torch.arange(self.decode_max_seq_len, device=seq_lens.device)
-                mask = keys < seq_lens[:, None]
+                keys = torch.arange(plan.max_seq_len, device=plan.seq_lens.device)
+                mask = keys < plan.seq_lens[:, None]
                 if window is not None:
-                    mask &= keys > (seq_lens[:, None] - 1 - window)
+                    mask &= keys > (plan.seq_lens[:, None] - 1 - window)
                 self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 

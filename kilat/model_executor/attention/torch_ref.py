@@ -52,19 +52,20 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return _decode_attention(query, kv_cache, metadata, scale, sliding_window)
     out = torch.empty_like(query)
     if metadata.num_decode_tokens:
-        rows = metadata.decode_rows
+        rows = metadata.decode.rows
         out[rows] = _decode_attention(query[rows], kv_cache, metadata, scale, sliding_window)
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     for i, plan in enumerate(metadata.prefills):
-        q = query[plan.start:plan.end].transpose(0, 1)
         if plan.slots is None:
             k, v = key[plan.start:plan.end], value[plan.start:plan.end]
         else:
             k, v = cache.index_select(1, plan.slots).unbind(0)
         mask = metadata.prefill_mask(i, sliding_window)
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[plan.start:plan.end] = o.transpose(0, 1)
+        # 4-D [1, heads, len, head_dim]: on CPU only 4-D inputs take the flash kernel (3-D falls back to math).
+        o = F.scaled_dot_product_attention(query[plan.start:plan.end].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[plan.start:plan.end] = o[0].transpose(0, 1)
     return out
 
 
@@ -83,8 +84,9 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Att
     """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, metadata.decode_slots)
-    kv = kv.view(2, num_decodes, metadata.decode_max_seq_len, num_kv_heads, head_dim).transpose(2, 3)
+    plan = metadata.decode
+    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, plan.slots)
+    kv = kv.view(2, num_decodes, plan.max_seq_len, num_kv_heads, head_dim).transpose(2, 3)
     q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=metadata.decode_mask(sliding_window),
                                        scale=scale)

@@ -3,8 +3,9 @@
 from kilat.model_executor.layers.activation import silu_and_mul
 from kilat.model_executor.layers.embedding import VocabEmbedding
 from kilat.model_executor.layers.layernorm import RMSNorm
-from kilat.model_executor.layers.linear import FusedLinear, Linear, can_pack, pack_linear_weights
+from kilat.model_executor.layers.linear import FusedLinear, Linear, can_pack
 from kilat.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rope_parameters
+from kilat.model_executor.layers.weights import process_weights_after_loading
 
 __all__ = [
     "FusedLinear",
@@ -14,7 +15,7 @@ __all__ = [
     "VocabEmbedding",
     "apply_rotary",
     "can_pack",
-    "pack_linear_weights",
+    "process_weights_after_loading",
     "rope_inv_freq",
     "rope_parameters",
     "silu_and_mul",

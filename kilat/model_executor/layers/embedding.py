@@ -18,6 +18,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``input_ids [T] -> [T, embedding_dim]``."""
         return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,11 @@ from torch import nn
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (as HF ``LlamaRMSNorm``).
 
+    After :meth:`process_weights_after_loading` it is computed as ``layer_norm([x, -x])[..., :hidden_size]``
+    with the weight repeated: ``[x, -x]`` has mean 0 and variance ``mean(x^2)``, so LayerNorm's single fused
+    kernel yields the RMS norm. On CPU that is ~2x faster than ``F.rms_norm``, which runs as a dozen
+    separate ops (decode steps are dispatch-bound); the two agree to float32 rounding.
+
     Args:
         hidden_size: size of the normalized (last) dimension.
         eps: added to the mean square.
@@ -19,8 +24,13 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.register_buffer("doubled_weight", None, persistent=False)
         self.eps = eps
-        self.shape = (hidden_size,)
+        self.hidden_size = hidden_size
+
+    def process_weights_after_loading(self) -> None:
+        """Cache ``[weight, weight]`` for the LayerNorm formulation (call again if ``weight`` changes)."""
+        self.doubled_weight = self.weight.detach().repeat(2)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -30,9 +40,15 @@ class RMSNorm(nn.Module):
         decoder's "add the sublayer output, then normalize" in one call; otherwise returns ``norm(x)``.
         """
         if residual is None:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return self._norm(x)
         x = x + residual
-        return F.rms_norm(x, self.shape, self.weight, self.eps), x
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.doubled_weight is None:
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        return F.layer_norm(torch.cat((x, x.neg()), dim=-1), self.doubled_weight.shape, self.doubled_weight,
+                            None, self.eps)[..., :self.hidden_size]
 
     def extra_repr(self) -> str:
-        return f"{self.shape[0]}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from kilat.config import ModelConfig, resolve_dtype
-from kilat.model_executor.layers import pack_linear_weights
+from kilat.model_executor.layers import Linear, process_weights_after_loading
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS, init_dummy_weights
 from kilat.model_executor.loader.gguf import converted_gguf_dir
 from kilat.model_executor.loader.source import ModelSource, resolve_model_source
@@ -57,7 +57,7 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
 
     The dtype follows :func:`kilat.config.resolve_dtype`: a GGUF checkpoint counts as stating no dtype (so
     ``"auto"`` gives bfloat16); an HF checkpoint's ``dtype``/``torch_dtype`` is honoured. On CPU in
-    bfloat16 the linear weights are then packed for oneDNN (:func:`pack_linear_weights`).
+    bfloat16 the linear weights are then packed for oneDNN (:func:`process_weights_after_loading`).
 
     Returns:
         ``(model, hf_config, torch_dtype)``; the model is in eval mode with ``requires_grad=False`` params.
@@ -78,8 +78,9 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
         weights_dir = converted_gguf_dir(source.path) if source.kind == "gguf" else source.path
         model.load_weights(iterate_safetensors(weights_dir))
     num_params = sum(p.numel() for p in model.parameters())
-    packed = pack_linear_weights(model)
+    process_weights_after_loading(model)
     model.eval()
+    packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
     logger.info("loaded %s (%s, %s weights from %s) on %s in %s: %.1fM params, %d layers%s in %.1f s",
                 config.architectures[0], config.model_type, source.kind, source.path, device,
                 str(dtype).removeprefix("torch."), num_params / 1e6, model.num_layers,

@@ -104,6 +104,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -144,6 +145,7 @@ class LlamaModel(nn.Module):
                                           attention_scaling, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int64 ``input_ids [T]``, ``positions [T]`` -> final-normed hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         residual = None
