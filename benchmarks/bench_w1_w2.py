@@ -443,17 +443,21 @@ def busy_core(enabled: bool) -> Iterator[None]:
 
 
 def run_contention(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """kilat batch-1 decode tokens/s at torch threads 1 and 2, quiet and with one core busy."""
+    """kilat batch-1 decode tokens/s with torch threads fixed at 1, fixed at 2, and adaptive (kilat's
+    default :class:`ThreadGovernor`), each on a quiet machine and with one core busy."""
+    from kilat.model_executor.cpu_threads import ThreadGovernor
+
     n_out, repeats = args.contention_tokens, args.contention_repeats
     spec = W2Spec(output_len=n_out, seed=CONTENTION_SEED)
-    saved = torch.get_num_threads()
+    runner = llm.engine.core.runner
+    saved = runner.threads
     table: dict[str, Any] = {"output_tokens": n_out, "prompt_tokens": spec.prompt_len, "repeats": repeats,
                              "busy": "a child `python -c 'while True: pass'` (one core at 100%)", "runs": {}}
     k = 0
     try:
         for busy in (False, True):
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
+            for threads in (1, 2, None):
+                runner.threads = ThreadGovernor(threads)
                 with busy_core(busy):
                     kilat_w2_once(llm, w2_prompt(spec, 10_000 + k), 8)  # settle the new thread count
                     runs = []
@@ -464,18 +468,19 @@ def run_contention(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
                         if time.perf_counter() - t_case > args.contention_case_budget:
                             break
                 decodes = [r.decode_tokens_per_s or float("nan") for r in runs]
-                key = f"threads{threads}_{'busy' if busy else 'quiet'}"
-                table["runs"][key] = {"num_runs": len(runs),"decode_tokens_per_s_median": statistics.median(decodes),
+                key = f"threads{threads or '_adaptive'}_{'busy' if busy else 'quiet'}"
+                table["runs"][key] = {"num_runs": len(runs),
+                                      "decode_tokens_per_s_median": statistics.median(decodes),
                                       "decode_tokens_per_s": decodes,
                                       "step_time_ms_median": 1000 / statistics.median(decodes),
                                       "ttft_s": [r.ttft_s for r in runs],
                                       "other_procs_cores": [r.extra["other_procs_cores"] for r in runs]}
-                print(f"  contention {key:16s} decode {statistics.median(decodes):7.1f} tok/s "
+                print(f"  contention {key:24s} decode {statistics.median(decodes):7.1f} tok/s "
                       f"(runs {', '.join(f'{d:.1f}' for d in decodes)}; other processes "
                       f"{statistics.median(r.extra['other_procs_cores'] or 0.0 for r in runs):.2f} cores)",
                       flush=True)
     finally:
-        torch.set_num_threads(saved)
+        runner.threads = saved
     return table
 
 

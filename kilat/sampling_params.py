@@ -65,7 +65,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == -1:
@@ -76,7 +78,16 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            optional = name in ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+            if not (value is None and optional) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(name, "an integer" + (" or None" if optional else ""))
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", "a 64-bit signed integer")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise bad("stop", "a string or a list of strings")
+        if self.n < 1:
             raise bad("n", ">= 1")
         if not self.temperature >= 0:
             raise bad("temperature", ">= 0")

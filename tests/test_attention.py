@@ -88,7 +88,9 @@ def test_metadata_build_slots_and_layout() -> None:
     assert (md.max_query_len, md.max_seq_len, md.num_decode_tokens) == (3, 9, 1)
     assert md.num_reqs == 2
     assert md.decode.rows.tolist() == [3]  # the decode does not lead the batch
-    assert md.decode.slots.tolist() == [16 + i for i in range(4)] + [0, 1, 2, 3] + [24]
+    # the decode's 9 positions span its 3 blocks, gathered whole: 12 keys, the last 3 masked out
+    assert md.decode.block_ids.tolist() == [4, 0, 6] and md.decode.padded_len == 12
+    assert md.decode_mask()[0, 0, 0].tolist() == [True] * 9 + [False] * 3
     assert [(p.start, p.end, p.context_len) for p in md.prefills] == [(0, 3, 2)]
 
 

@@ -46,10 +46,10 @@ def test_n_completions_share_prompt(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # each sibling reuses the leader's 4 full prompt blocks (block_size 8, last token recomputed)
+    assert llm.engine.stats.prefix_cache_hits - hits_before == 2 * 32
     assert out.outputs[1].token_ids == tokens(llm, [prompt], SamplingParams(temperature=1.0, seed=8,
                                                                             max_tokens=6))[0]
-    # each sibling reuses the leader's 4 full prompt blocks (block_size 8, last token recomputed)
-    assert llm.engine.stats.prefix_cache_hits - hits_before >= 2 * 32
     assert_all_free(llm)
 
 
@@ -127,6 +127,8 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
+    ({"top_k": 2.5}, "top_k"), ({"stop": [1]}, "stop"), ({"seed": 2**64}, "seed"),
+    ({"temperature": float("nan")}, "temperature"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -138,3 +140,53 @@ def test_bad_engine_args(tiny_llama_dir):
         LLM(tiny_llama_dir, block_size=3)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(tiny_llama_dir, max_num_seq=4)
+
+
+def test_stop_strings_wait_for_min_tokens_and_apply_per_completion(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(["Tell me a story"], greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[1:3]
+    early = llm.generate(["Tell me a story"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                              stop=[stop], min_tokens=15),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) >= 15 and early.token_ids == full.token_ids[:len(early.token_ids)]
+    both = llm.generate(["Tell me a story"], SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True,
+                                                             stop=[stop]), use_tqdm=False)[0]
+    assert [c.text for c in both.outputs] == [full.text[:full.text.index(stop)]] * 2
+    assert all(c.finish_reason == "stop" for c in both.outputs)
+    assert_all_free(llm)
+
+
+def test_failed_step_frees_everything_and_engine_recovers(llm, monkeypatch):
+    runner = llm.engine.core.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(["one", "two", "three"], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert_all_free(llm)
+    assert not llm.engine.output_processor._states
+    out = llm.generate(["again"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_caller_ids_cannot_collide_with_core_ids(llm):
+    engine = llm.engine
+    engine.add_request("x-1", "first", SamplingParams(max_tokens=2))
+    engine.add_request("x", "second", SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", "third", SamplingParams(max_tokens=2))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == ["x", "x-1"] and len(done["x"].outputs) == 2
+    assert_all_free(llm)

@@ -77,7 +77,6 @@ def test_prefix_hits_never_cover_last_token_and_share_blocks():
     assert hit == 8 and [b.block_id for b in blocks] == kv.get_block_ids(first)[:2]
     assert kv.allocate_slots(second, 4, blocks)
     assert [b.ref_cnt for b in kv.req_blocks["a"]] == [2, 2, 1]
-    assert kv.prefix_queries == 24 and kv.prefix_hits == 8
     # A different second block stops the chain after one block.
     third = make_request("c", [0, 1, 2, 3, 9, 9, 9, 9, 1])
     assert kv.get_computed_blocks(third)[1] == 4

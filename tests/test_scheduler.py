@@ -101,3 +101,17 @@ def test_n_siblings_wait_for_leader_and_share_prompt_blocks():
     assert [(r.request_id, n) for r, n in out.scheduled] == [("p-0", 1), ("p-1", 1)]
     assert child.num_cached_tokens == 8
     assert kv.get_block_ids(child)[:2] == kv.get_block_ids(leader)[:2]
+
+
+def test_prefix_counters_count_each_prompt_once():
+    s, kv = make(num_blocks=5, block_size=4, budget=64, caching=True)
+    requests = [req("a", 12, max_tokens=8), req("b", 12, max_tokens=8), req("c", 15, max_tokens=2)]
+    for r in requests:
+        s.add_request(r)
+    steps_c_waited = 0
+    while s.num_unfinished:
+        run_step(s)
+        steps_c_waited += requests[2] in s.waiting
+    assert steps_c_waited >= 2, "c must be held back by the small cache for several steps"
+    assert kv.prefix_queries == 12 + 12 + 15
+    assert kv.prefix_hits == sum(r.num_cached_tokens for r in requests) > 0

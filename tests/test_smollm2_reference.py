@@ -54,8 +54,9 @@ def test_prefix_caching_off(smollm2_prompt_ids, hf_greedy_outputs):
 
 
 def test_prefix_caching_warm(llm_fp32, smollm2_prompt_ids, hf_greedy_outputs):
-    """``llm_fp32`` has prefix caching on and has run every prompt: now every prompt hits."""
+    """With prefix caching on (the default), a second run of every prompt hits all its full blocks."""
     stats = llm_fp32.engine.stats
+    run(llm_fp32, smollm2_prompt_ids)
     hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
     assert run(llm_fp32, smollm2_prompt_ids) == hf_greedy_outputs
     warm_hits = stats.prefix_cache_hits - hits
@@ -78,8 +79,8 @@ def test_chunked_prefill_every_prompt(smollm2_prompt_ids, hf_greedy_outputs):
 def test_preemption(smollm2_prompt_ids, hf_greedy_outputs):
     # The long prompt first, then the short ones: 128 blocks hold max_model_len but not every request's
     # growth, so running requests must be preempted (recomputed) to finish.
-    llm = LLM(dtype="float32", max_model_len=2048, block_size=16, num_gpu_blocks_override=128,
-              enable_prefix_caching=False)
+    # Prefix caching stays on (the default): resumed requests recover part of their KV from it.
+    llm = LLM(dtype="float32", max_model_len=2048, block_size=16, num_gpu_blocks_override=128)
     assert run(llm, smollm2_prompt_ids[::-1]) == hf_greedy_outputs[::-1]
     assert llm.engine.stats.num_preemptions > 0
     assert_all_free(llm)

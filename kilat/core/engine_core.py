@@ -79,7 +79,14 @@ class EngineCore:
         """Run one step; return an output for every request that sampled a token or finished."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
-        results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
+        try:
+            results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
+        except Exception:
+            # The step's KV was not (fully) written: drop its requests and every cached hash, so that no
+            # later request reuses a block holding garbage; other requests simply recompute.
+            self.abort_requests([r.request_id for r, _ in sched.scheduled])
+            self.kv.pool.reset_prefix_cache()
+            raise
         now = time.time()
         sampled = {rid: token for rid, (token, _) in results.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}

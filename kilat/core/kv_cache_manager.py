@@ -19,8 +19,9 @@ class KVCacheManager:
         block_size: token slots per block.
         enable_caching: automatic prefix caching.
 
-    Counters ``prefix_queries`` / ``prefix_hits`` count tokens looked up and found at each admission
-    (metrics.md: hit rate = cached prompt tokens / prompt tokens).
+    Counters ``prefix_queries`` / ``prefix_hits`` count prompt tokens and prompt tokens served from the
+    cache, once per request at its first admission (metrics.md: hit rate = cached prompt tokens / prompt
+    tokens).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
@@ -69,10 +70,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's first admission: its prompt tokens and those served from the cache."""
+        if self.enable_caching:
+            self.prefix_queries += num_prompt_tokens
+            self.prefix_hits += min(num_hit_tokens, num_prompt_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:

@@ -97,9 +97,11 @@ class Scheduler:
         return victim
 
     def _waits_for_leader(self, request: Request) -> bool:
-        """A sibling of an ``n > 1`` request waits until its leader's prompt is cached."""
+        """A sibling of an ``n > 1`` request waits until its leader's prompt is cached (unless it wants
+        prompt logprobs, which compute the whole prompt anyway)."""
         leader = request.group_leader
         return (self.kv.enable_caching and leader is not None and not leader.is_finished
+                and request.sampling_params.prompt_logprobs is None
                 and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def schedule(self) -> SchedulerOutput:
@@ -143,6 +145,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
+                self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
                 request.num_cached_tokens = num_hit
                 request.metrics.num_cached_tokens = num_hit
                 request.metrics.first_scheduled_time = time.time()

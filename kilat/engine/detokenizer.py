@@ -50,6 +50,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT, 0)
         self._text = ""
         self._num_sent = 0
+        self._num_generated = 0
 
     @property
     def output_text(self) -> str:
@@ -65,8 +66,10 @@ class IncrementalDetokenizer:
                 token's text is left out unless ``include_stop_str_in_output``.
 
         Returns:
-            The matched stop string (the text is then cut at it), or ``None``.
+            The matched stop string (the text is then cut at it), or ``None``. Stop strings are not
+            looked for until ``min_tokens`` tokens were generated (vLLM's rule).
         """
+        self._num_generated += len(new_token_ids)
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         self._tokens.extend(self._to_tokens(new_token_ids))
@@ -77,6 +80,8 @@ class IncrementalDetokenizer:
         num_checked = len(self._text)
         self._text += window_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        if self._num_generated < self.params.min_tokens:
+            return None
         return self._match_stop(num_checked)
 
     def get_delta_text(self, finished: bool) -> str:

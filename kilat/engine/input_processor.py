@@ -6,6 +6,7 @@ engine, so a bad request never disturbs the others.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
+        self._core_ids = itertools.count()
 
     def to_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Return (prompt text or ``None``, token ids).
@@ -95,15 +97,16 @@ class InputProcessor:
                 add_special_tokens: bool = True) -> tuple[str | None, list[int], SamplingParams, list[Request]]:
         """Tokenize and validate; return (prompt text, prompt ids, resolved params, ``n`` core requests).
 
-        Completion ``i`` of an ``n > 1`` request gets core id ``f"{request_id}-{i}"`` and, when seeded,
-        seed ``seed + i``; siblings reuse the first completion's prompt blocks.
+        Core requests get engine-unique ids (``f"{request_id}#{k}"`` with a counter ``k``), so no caller id
+        can collide with them. Completion ``i`` of an ``n > 1`` request is seeded ``seed + i`` when seeded;
+        siblings reuse the first completion's prompt blocks.
         """
         text, ids = self.to_token_ids(prompt, add_special_tokens)
         params = self.validate_params(params, len(ids))
         now = time.time()
         requests: list[Request] = []
         for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            core_id = f"{request_id}#{next(self._core_ids)}"
             requests.append(Request(core_id, ids, params, self.eos_token_id, now, parent_id=request_id,
                                     index=i, group_leader=requests[0] if requests else None))
         return text, ids, params, requests

@@ -77,20 +77,18 @@ class LLM:
             raise ValueError(f"sampling_params must be one or one per prompt ({len(prompts)}), got {len(params)}")
         engine = self.engine
         order: dict[str, int] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = engine.new_request_id()
                 engine.add_request(rid, prompt, p, add_special_tokens)
                 order[rid] = i
-        except ValueError:
+            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order.pop(out.request_id)] = out
+                            bar.update(1)
+        finally:
             engine.abort_request(list(order))
-            raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-                    bar.update(1)
-        bar.close()
         return [r for r in results if r is not None]

@@ -71,7 +71,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                       sliding_window: int | None) -> torch.Tensor:
-    """Attention of the decodes: one gather and one SDPA call for all of them.
+    """Attention of the decodes: one block gather and one SDPA call for all of them.
 
     The ``g = num_heads // num_kv_heads`` query heads that share a KV head are laid out as ``g`` query rows
     of that head, so SDPA runs as plain multi-head attention without repeating K/V.
@@ -85,8 +85,8 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Att
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     plan = metadata.decode
-    kv = kv_cache.view(2, -1, num_kv_heads, head_dim).index_select(1, plan.slots)
-    kv = kv.view(2, num_decodes, plan.max_seq_len, num_kv_heads, head_dim).transpose(2, 3)
+    kv = kv_cache.index_select(1, plan.block_ids)
+    kv = kv.view(2, num_decodes, plan.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=metadata.decode_mask(sliding_window),
                                        scale=scale)
