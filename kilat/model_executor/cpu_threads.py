@@ -22,14 +22,20 @@ def available_cores() -> int:
 
 
 def _busy_seconds() -> float | None:
-    """CPU-seconds all processes have spent busy since boot (``/proc/stat``), or ``None`` off Linux."""
+    """CPU-seconds all processes have spent busy on this process's cores since boot (``/proc/stat``),
+    or ``None`` off Linux."""
+    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            rows = [line.split() for line in f if line.startswith("cpu")]
     except OSError:
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for row in rows:
+        if row[0] in cores:
+            fields = [int(x) for x in row[1:9]]
+            busy += sum(fields) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _own_seconds() -> float:
