@@ -3,10 +3,12 @@
 from typing import Any
 
 from kilat.config import EngineArgs
+from kilat.logger import init_logger
 from kilat.outputs import CompletionOutput, Logprob, RequestOutput
 from kilat.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+init_logger()
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 
 

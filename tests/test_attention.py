@@ -87,9 +87,10 @@ def test_metadata_build_slots_and_layout() -> None:
     assert md.slot_mapping.dtype == torch.int64 and md.slot_mapping.tolist() == [30, 31, 8, 24]
     assert (md.max_query_len, md.max_seq_len, md.num_decode_tokens) == (3, 9, 1)
     assert md.num_reqs == 2
-    assert md.decode.rows.tolist() == [3]  # the decode does not lead the batch
+    (decode,) = md.decodes
+    assert decode.rows == slice(3, 4)  # the decode's one row, after the prefill's three
     # the decode's 9 positions span its 3 blocks, gathered whole: 12 keys, the last 3 masked out
-    assert md.decode.block_ids.tolist() == [4, 0, 6] and md.decode.padded_len == 12
+    assert decode.block_ids.tolist() == [4, 0, 6] and decode.padded_len == 12
     assert md.decode_mask()[0, 0, 0].tolist() == [True] * 9 + [False] * 3
     assert [(p.start, p.end, p.context_len) for p in md.prefills] == [(0, 3, 2)]
 
@@ -110,6 +111,21 @@ def test_decode_only(num_heads: int, num_kv_heads: int) -> None:
 
 def test_decode_only_equal_lengths() -> None:
     _run_case([1, 1], [8, 8], 4, 2)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decodes_in_length_groups(window: int | None) -> None:
+    # 24 decodes of lengths 1..70 in shuffled order, with two prefills among them: several length groups
+    # (each closed at >= 8 decodes), none of them contiguous in the batch.
+    seq_lens = [(7 * i) % 70 + 1 for i in range(24)]
+    query_lens = [1] * 24
+    seq_lens[5:5] = [12, 30]
+    query_lens[5:5] = [3, 30]
+    md = AttentionMetadata.build(query_lens, seq_lens, [[0] * 18] * 26, BLOCK_SIZE, "cpu")
+    assert len(md.decodes) >= 2 and sum(len(p.seq_lens) for p in md.decodes) == 24
+    assert all(len(p.seq_lens) >= 8 for p in md.decodes[:-1])
+    assert all(a.max_seq_len <= int(b.seq_lens.min()) for a, b in zip(md.decodes, md.decodes[1:], strict=False))
+    _run_case(query_lens, seq_lens, 4, 2, window=window)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])

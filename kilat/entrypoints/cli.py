@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 from typing import Any
 
@@ -105,7 +104,6 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kilat`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="kilat", description="Kilat LLM inference engine")
-    parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions offline")
     add_engine_args(gen)
@@ -124,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kilat`` command."""
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         ns.func(ns)
     except ValueError as e:

@@ -6,16 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+_GROUP_GROWTH = 1.5
+"""A decode group closes when the next (longer) decode would pad it past this factor of its shortest."""
+_MIN_GROUP = 8
+"""Decodes a group holds before it may close (fewer, larger attention calls beat padding savings)."""
+
 
 @dataclass
 class DecodePlan:
-    """The step's decodes (requests with exactly one new token), attended together in one batched call.
+    """A group of the step's decodes (requests with exactly one new token) of similar length, attended
+    together in one batched call.
 
     Their context is gathered whole blocks at a time (one contiguous ``block_size`` run per index), which
-    moves the same bytes as a per-slot gather in far fewer, larger copies.
+    moves the same bytes as a per-slot gather in far fewer, larger copies; grouping by length keeps the
+    padding to the group's longest small.
 
     Attributes:
-        rows: their rows in the flattened batch: a ``slice`` when they lead the batch, else int64 indices.
+        rows: their rows in the flattened batch: a ``slice`` when contiguous, else int64 indices.
         block_ids: int64 ``[num_decodes * num_blocks]``, each decode's first ``num_blocks`` block ids (past
             its own blocks: block 0 as padding, masked out).
         seq_lens: int64 ``[num_decodes]``.
@@ -30,12 +37,33 @@ class DecodePlan:
     padded_len: int
 
     @classmethod
-    def build(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
-              block_size: int, device: torch.device | str) -> DecodePlan:
-        """Plan the decodes ``decodes`` (request indices) of a batch with block ``table`` (int64, CPU)."""
+    def build_groups(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
+                     block_size: int, device: torch.device | str) -> list[DecodePlan]:
+        """Plan the decodes ``decodes`` (request indices) of a batch with block ``table`` (int64, CPU).
+
+        Decodes are sorted by length and cut into groups of at least ``_MIN_GROUP`` whose longest is at
+        most ``_GROUP_GROWTH`` times their shortest (the last group takes what is left).
+        """
+        order = sorted(decodes, key=lambda r: seq_lens[r])
+        groups: list[list[int]] = [[]]
+        for r in order:
+            group = groups[-1]
+            if len(group) >= _MIN_GROUP and seq_lens[r] > _GROUP_GROWTH * seq_lens[group[0]]:
+                groups.append([])
+            groups[-1].append(r)
+        if len(groups) == 1:
+            groups = [decodes]
+        return [cls._build(g, seq_lens, table, start_loc, block_size, device) for g in groups]
+
+    @classmethod
+    def _build(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
+               block_size: int, device: torch.device | str) -> DecodePlan:
         num_decodes = len(decodes)
         index = torch.tensor(decodes, dtype=torch.int64)
-        rows = slice(0, num_decodes) if decodes[-1] == num_decodes - 1 else start_loc[index].to(device)
+        contiguous = decodes == list(range(decodes[0], decodes[0] + num_decodes))
+        first = int(start_loc[decodes[0]])
+        rows = slice(first, first + num_decodes) if contiguous and int(start_loc[decodes[-1]]) == \
+            first + num_decodes - 1 else start_loc[index].to(device)
         max_seq_len = max(seq_lens[r] for r in decodes)
         num_blocks = -(-max_seq_len // block_size)
         block_ids = table[index][:, :num_blocks].reshape(-1)
@@ -80,7 +108,7 @@ class AttentionMetadata:
         max_seq_len: longest ``seq_len``.
         block_size: token slots per KV block.
         num_decode_tokens: number of requests with exactly one new token ("decodes").
-        decode: the plan of the decodes, ``None`` when there are none.
+        decodes: the decodes in length groups, one :class:`DecodePlan` each (empty when there are none).
         prefills: one :class:`PrefillPlan` per request with more than one new token, in batch order.
     """
 
@@ -92,7 +120,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_decode_tokens: int
-    decode: DecodePlan | None
+    decodes: list[DecodePlan]
     prefills: list[PrefillPlan]
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
 
@@ -140,7 +168,8 @@ class AttentionMetadata:
         slot_mapping = _slots(table[req, pos // block_size], pos, block_size)
 
         decodes = [r for r, q in enumerate(query_lens) if q == 1]
-        decode = DecodePlan.build(decodes, seq_lens, table, start_loc, block_size, device) if decodes else None
+        decode_groups = DecodePlan.build_groups(decodes, seq_lens, table, start_loc, block_size,
+                                                device) if decodes else []
         starts = start_loc.tolist()
         prefills = []
         for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -160,20 +189,20 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             block_size=block_size,
             num_decode_tokens=len(decodes),
-            decode=decode,
+            decodes=decode_groups,
             prefills=prefills,
         )
 
-    def decode_mask(self, sliding_window: int | None = None) -> torch.Tensor | None:
-        """Key mask of the decodes, bool ``[num_decode_tokens, 1, 1, decode.padded_len]`` (True = attend).
+    def decode_mask(self, group: int = 0, sliding_window: int | None = None) -> torch.Tensor | None:
+        """Key mask of decode group ``group``, bool ``[num_decodes, 1, 1, padded_len]`` (True = attend).
 
-        ``None`` when every decode sees all ``decode.padded_len`` keys. With ``sliding_window`` ``w`` the
-        token at position ``p`` sees keys ``p - w < j <= p`` (as HF's ``sliding_window_overlay``). Cached:
-        computed once per step and window, not per layer.
+        ``None`` when every decode of the group sees all ``padded_len`` keys. With ``sliding_window`` ``w``
+        the token at position ``p`` sees keys ``p - w < j <= p`` (as HF's ``sliding_window_overlay``).
+        Cached: computed once per step, group and window, not per layer.
         """
-        plan = self.decode
+        plan = self.decodes[group]
         window = _effective_window(sliding_window, plan.max_seq_len)
-        key = (-1, window)
+        key = (-1 - group, window)
         if key not in self._masks:
             if window is None and bool((plan.seq_lens == plan.padded_len).all()):
                 self._masks[key] = None

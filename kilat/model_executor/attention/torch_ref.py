@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kilat.model_executor.attention.metadata import AttentionMetadata
+from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -48,12 +48,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
-    if metadata.num_decode_tokens == query.shape[0]:
-        return _decode_attention(query, kv_cache, metadata, scale, sliding_window)
+    groups = metadata.decodes
+    if len(groups) == 1 and metadata.num_decode_tokens == query.shape[0]:
+        return _decode_attention(query, kv_cache, groups[0], metadata.decode_mask(0, sliding_window), scale)
     out = torch.empty_like(query)
-    if metadata.num_decode_tokens:
-        rows = metadata.decode.rows
-        out[rows] = _decode_attention(query[rows], kv_cache, metadata, scale, sliding_window)
+    for i, plan in enumerate(groups):
+        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, plan,
+                                           metadata.decode_mask(i, sliding_window), scale)
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     for i, plan in enumerate(metadata.prefills):
         if plan.slots is None:
@@ -69,25 +70,24 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
-    """Attention of the decodes: one block gather and one SDPA call for all of them.
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Attention of one group of decodes: one block gather and one SDPA call for all of them.
 
     The ``g = num_heads // num_kv_heads`` query heads that share a KV head are laid out as ``g`` query rows
     of that head, so SDPA runs as plain multi-head attention without repeating K/V.
 
     Args:
         query: ``[num_decodes, num_heads, head_dim]``.
+        mask: the group's key mask from :meth:`AttentionMetadata.decode_mask`, or ``None``.
 
     Returns:
         ``[num_decodes, num_heads, head_dim]``.
     """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
-    plan = metadata.decode
     kv = kv_cache.index_select(1, plan.block_ids)
     kv = kv.view(2, num_decodes, plan.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=metadata.decode_mask(sliding_window),
-                                       scale=scale)
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
     return o.reshape(num_decodes, num_heads, head_dim)
