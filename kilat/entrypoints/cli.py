@@ -36,10 +36,10 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
 
 
 def _params(ns: argparse.Namespace) -> SamplingParams:
+    """Sampling parameters from the flags; ``--seed`` (an engine argument) also seeds each request."""
     return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                           top_k=ns.top_k, seed=ns.seed)
 
