@@ -109,7 +109,7 @@ class ModelRunner:
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        prompt_lp: list[tuple[Request, int, int]] = []
+        prompt_lp: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, count)
         for request, num_new in sched.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
