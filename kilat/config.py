@@ -169,16 +169,11 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return EngineConfig(
-            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.load_format,
-                              self.max_model_len, self.seed),
-            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
-                              self.enable_prefix_caching, self.num_gpu_blocks_override),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
-                                      self.enable_chunked_prefill),
-            device=device,
-            num_threads=self.num_threads,
-        )
+        def build(cls: type) -> Any:
+            return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+        return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
+                            device=device, num_threads=self.num_threads)
 
 
 @dataclass

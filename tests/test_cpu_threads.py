@@ -8,7 +8,7 @@ from kilat.model_executor import cpu_threads
 def test_governor_follows_other_processes(monkeypatch):
     clock = {"t": 0.0, "busy": 0.0, "own": 0.0}
     monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
-    monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cores: clock["busy"])
     monkeypatch.setattr(cpu_threads, "_own_seconds", lambda: clock["own"])
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock["t"])
     before = torch.get_num_threads()

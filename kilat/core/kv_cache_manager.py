@@ -54,13 +54,18 @@ class KVCacheManager:
             hashes.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
         return hashes
 
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """Whether the request may reuse cached blocks: caching is on and it does not want prompt logprobs
+        (which need its whole prompt computed)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks that prefixes the request, and the tokens they cover.
 
         The run stops before the block holding the request's last token. Requests that want prompt
         logprobs compute their whole prompt, so they get no hits.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.uses_prefix_cache(request):
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -100,8 +100,7 @@ class Scheduler:
         """A sibling of an ``n > 1`` request waits until its leader's prompt is cached (unless it wants
         prompt logprobs, which compute the whole prompt anyway)."""
         leader = request.group_leader
-        return (self.kv.enable_caching and leader is not None and not leader.is_finished
-                and request.sampling_params.prompt_logprobs is None
+        return (leader is not None and self.kv.uses_prefix_cache(request) and not leader.is_finished
                 and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def schedule(self) -> SchedulerOutput:

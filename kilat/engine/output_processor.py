@@ -15,7 +15,6 @@ from kilat.sampling_params import SamplingParams
 @dataclass
 class _RequestState:
     output: RequestOutput
-    params: SamplingParams
     detokenizers: list[IncrementalDetokenizer]
     num_unfinished: int
     core_ids: list[str] = field(default_factory=list)
@@ -51,7 +50,7 @@ class OutputProcessor:
         output = RequestOutput(request_id, prompt, prompt_token_ids, completions, finished=False,
                                metrics=core_requests[0].metrics)
         detoks = [IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids) for _ in range(params.n)]
-        self._states[request_id] = _RequestState(output, params, detoks, params.n,
+        self._states[request_id] = _RequestState(output, detoks, params.n,
                                                  [r.request_id for r in core_requests])
         for r in core_requests:
             self._core_to_parent[r.request_id] = (request_id, r.index)
@@ -92,8 +91,8 @@ class OutputProcessor:
             if co.new_logprobs is not None and completion.logprobs is not None:
                 completion.logprobs.extend(self._decode_logprobs(co.new_logprobs))
             if co.prompt_logprobs is not None and state.output.prompt_logprobs is None:
-                state.output.prompt_logprobs = [None] + self._decode_logprobs(
-                    [e for e in co.prompt_logprobs if e is not None])
+                self._decode_logprobs(co.prompt_logprobs[1:])
+                state.output.prompt_logprobs = co.prompt_logprobs
             state.output.num_cached_tokens = co.num_cached_tokens
             finish_reason, stop_reason = co.finish_reason, co.stop_reason
             if stop_str is not None:

@@ -21,10 +21,9 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def _busy_seconds() -> float | None:
-    """CPU-seconds all processes have spent busy on this process's cores since boot (``/proc/stat``),
-    or ``None`` off Linux."""
-    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+def _busy_seconds(cores: set[str]) -> float | None:
+    """CPU-seconds all processes have spent busy on ``cores`` (``{"cpu0", ...}``) since boot
+    (``/proc/stat``), or ``None`` off Linux."""
     try:
         with open("/proc/stat") as f:
             rows = [line.split() for line in f if line.startswith("cpu")]
@@ -58,11 +57,13 @@ class ThreadGovernor:
 
     def __init__(self, num_threads: int | None, interval: float = 1.0):
         self.max_threads = num_threads or available_cores()
-        self.adaptive = num_threads is None and _busy_seconds() is not None
+        self._cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        busy = _busy_seconds(self._cores)
+        self.adaptive = num_threads is None and busy is not None
         self.interval = interval
         self.num_threads = self.max_threads
         torch.set_num_threads(self.num_threads)
-        self._last = (time.monotonic(), _busy_seconds(), _own_seconds())
+        self._last = (time.monotonic(), busy, _own_seconds())
 
     def maybe_adjust(self) -> int:
         """Re-measure if ``interval`` has passed; return the thread count in use."""
@@ -71,7 +72,7 @@ class ThreadGovernor:
         now = time.monotonic()
         if now - self._last[0] < self.interval:
             return self.num_threads
-        busy, own = _busy_seconds(), _own_seconds()
+        busy, own = _busy_seconds(self._cores), _own_seconds()
         last_t, last_busy, last_own = self._last
         self._last = (now, busy, own)
         others = max(0.0, ((busy - last_busy) - (own - last_own)) / (now - last_t))

@@ -42,7 +42,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.threads = ThreadGovernor(config.num_threads) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
-        self.vocab_size = self.hf_config.vocab_size
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.model.max_model_len or model_max
         if self.max_model_len > model_max:
