@@ -190,3 +190,23 @@ def test_caller_ids_cannot_collide_with_core_ids(llm):
                 done[out.request_id] = out
     assert sorted(done) == ["x", "x-1"] and len(done["x"].outputs) == 2
     assert_all_free(llm)
+
+
+def test_generation_config_eos_ids_end_generation(tiny_llama_dir, tmp_path):
+    """Like vLLM, every EOS id of generation_config.json (e.g. Llama-3's <|eot_id|>) ends a completion."""
+    import json
+    import shutil
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    full = base.generate(["Once"], params, use_tqdm=False)[0].outputs[0].token_ids
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "eot")
+    config_path = model_dir / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [2, full[2]]
+    config_path.write_text(json.dumps(config))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    out = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:full.index(full[2]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == full[2]
+    assert llm.generate(["Once"], params, use_tqdm=False)[0].outputs[0].token_ids == full  # ignore_eos

@@ -29,13 +29,17 @@ class InputProcessor:
         vocab_size: the model's vocabulary size (token ids must be below it).
         max_model_len: longest context in tokens.
         eos_token_id: the model's EOS id, or ``None``.
+        extra_eos_token_ids: further ids that end a turn (from the model's generation config); like vLLM,
+            they join each request's ``stop_token_ids`` unless it sets ``ignore_eos``.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_id: int | None):
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_id: int | None,
+                 extra_eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = frozenset(t for t in extra_eos_token_ids if 0 <= t < vocab_size)
         self._core_ids = itertools.count()
 
     def to_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -68,7 +72,8 @@ class InputProcessor:
         return text, ids
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """Check ``params`` against the model; return a copy with ``max_tokens`` resolved.
+        """Check ``params`` against the model; return a copy with ``max_tokens`` resolved and the model's
+        extra EOS ids added to ``stop_token_ids`` (unless ``ignore_eos``).
 
         Raises:
             ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
@@ -91,7 +96,10 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
-        return replace(params, max_tokens=params.max_tokens or room)
+        stop_ids = params.stop_token_ids
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_ids = sorted(set(stop_ids) | self.extra_eos_token_ids)
+        return replace(params, max_tokens=params.max_tokens or room, stop_token_ids=stop_ids)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 add_special_tokens: bool = True) -> tuple[str | None, list[int], SamplingParams, list[Request]]:
