@@ -65,8 +65,6 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -87,6 +85,8 @@ class SamplingParams:
             raise bad("seed", "a 64-bit signed integer")
         if any(not isinstance(s, str) for s in self.stop):
             raise bad("stop", "a string or a list of strings")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of integers")
         if self.n < 1:
             raise bad("n", ">= 1")
         if not self.temperature >= 0:

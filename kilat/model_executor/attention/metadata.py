@@ -60,10 +60,12 @@ class DecodePlan:
                block_size: int, device: torch.device | str) -> DecodePlan:
         num_decodes = len(decodes)
         index = torch.tensor(decodes, dtype=torch.int64)
-        contiguous = decodes == list(range(decodes[0], decodes[0] + num_decodes))
-        first = int(start_loc[decodes[0]])
-        rows = slice(first, first + num_decodes) if contiguous and int(start_loc[decodes[-1]]) == \
-            first + num_decodes - 1 else start_loc[index].to(device)
+        # Consecutive requests with one new token each occupy consecutive rows.
+        if decodes == list(range(decodes[0], decodes[0] + num_decodes)):
+            first = int(start_loc[decodes[0]])
+            rows: slice | torch.Tensor = slice(first, first + num_decodes)
+        else:
+            rows = start_loc[index].to(device)
         max_seq_len = max(seq_lens[r] for r in decodes)
         num_blocks = -(-max_seq_len // block_size)
         block_ids = table[index][:, :num_blocks].reshape(-1)
