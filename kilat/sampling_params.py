@@ -67,7 +67,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from e
         if self.top_k == -1:
             self.top_k = 0
         self._validate()

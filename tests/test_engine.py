@@ -128,7 +128,8 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
     ({"top_k": 2.5}, "top_k"), ({"stop": [1]}, "stop"), ({"seed": 2**64}, "seed"),
-    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"logit_bias": {None: 1.0}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
