@@ -1,9 +1,10 @@
-# Kilat: two commands do all set-up on a fresh machine — `make chat` (run the embedded model) and `make test`.
+# Kilat: two commands do all set-up on a fresh machine — `make serve` (serve the embedded model over the
+# OpenAI API on http://127.0.0.1:8000) and `make test`.
 PY ?= python3
 PIP = $(PY) -m pip
 STAMP = .install.stamp
 
-.PHONY: install chat generate test lint bench
+.PHONY: install serve chat generate test lint bench loadtest
 
 $(STAMP): pyproject.toml
 	$(PIP) install torch==2.13.0
@@ -12,6 +13,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	kilat serve
 
 chat: $(STAMP)
 	kilat chat
@@ -25,3 +29,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_w1_w2.py --out benchmarks/results/latest.json
+
+loadtest: $(STAMP)
+	$(PY) benchmarks/load_test.py --out benchmarks/results/load-latest.json

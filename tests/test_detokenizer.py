@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kilat.engine.detokenizer import IncrementalDetokenizer
+from kilat.engine.detokenizer import IncrementalDetokenizer, TextDelta
 from kilat.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -31,6 +31,7 @@ def detokenizer(tokenizer: PreTrainedTokenizerBase, prompt: str = CHAT_PROMPT,
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1,
            stop_terminated: bool = False) -> tuple[str | None, list[str]]:
     """Feed ``ids`` in chunks until a stop string matches; returns it and all deltas (the last finished)."""
+    delta = TextDelta(detok.params.stop)
     deltas: list[str] = []
     stop = None
     for start in range(0, len(ids), chunk):
@@ -38,8 +39,8 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1,
         stop = detok.add_tokens(ids[start:start + chunk], stop_terminated and last)
         if stop is not None:
             break
-        deltas.append(detok.get_delta_text(finished=False))
-    deltas.append(detok.get_delta_text(finished=True))
+        deltas.append(delta.next(detok.output_text, finished=False))
+    deltas.append(delta.next(detok.output_text, finished=True))
     assert "".join(deltas) == detok.output_text
     return stop, deltas
 
@@ -53,10 +54,11 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1,
 def test_matches_full_decode_token_by_token(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
     ids = tokenizer.encode(text)
     detok = detokenizer(tokenizer)
+    delta = TextDelta([])
     deltas: list[str] = []
     for i, token in enumerate(ids):
         assert detok.add_tokens([token]) is None
-        deltas.append(detok.get_delta_text(finished=False))
+        deltas.append(delta.next(detok.output_text, finished=False))
         full = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
         assert REPLACEMENT not in detok.output_text
         assert REPLACEMENT not in deltas[-1]
@@ -166,18 +168,19 @@ def test_stop_string_in_prompt_is_ignored(tokenizer: PreTrainedTokenizerBase) ->
 def test_hold_back_partial_stop_string(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = tokenizer.encode("The answer is 42. END")
     detok = detokenizer(tokenizer, stop=["END!", "42!"])
+    delta = TextDelta(detok.params.stop)
     deltas = []
     for token in ids:
         assert detok.add_tokens([token]) is None
-        deltas.append(detok.get_delta_text(finished=False))
+        deltas.append(delta.next(detok.output_text, finished=False))
         text = detok.output_text
         sent = "".join(deltas)
         assert text.startswith(sent)
         if text.endswith(("E", "EN", "END", "4", "42")):
             assert len(sent) < len(text)
     assert "".join(deltas) == "The answer is 42. "
-    assert detok.get_delta_text(finished=True) == "END"
-    assert detok.get_delta_text(finished=True) == ""
+    assert delta.next(detok.output_text, finished=True) == "END"
+    assert delta.next(detok.output_text, finished=True) == ""
     assert "".join(deltas) + "END" == detok.output_text
 
 

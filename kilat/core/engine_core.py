@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
-from kilat.core.request import Request, RequestStatus
+from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.model_runner import ModelRunner
-from kilat.outputs import PositionLogprobs
+from kilat.outputs import PositionLogprobs, RequestMetrics
 
 logger = logging.getLogger("kilat")
 
@@ -29,6 +29,7 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: per prompt position, sent once with the first token, when asked for.
+        metrics: the request's timings, sent once when it finishes.
     """
 
     request_id: str
@@ -38,6 +39,20 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+
+
+class StepFailed(RuntimeError):
+    """A model step raised; its requests were aborted and their blocks freed.
+
+    Attributes:
+        request_ids: the core ids of the aborted requests.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); "
+                         f"aborted {len(request_ids)} request(s)")
+        self.request_ids = request_ids
 
 
 class EngineCore:
@@ -59,9 +74,20 @@ class EngineCore:
                     self.runner.num_blocks, config.cache.block_size,
                     self.runner.num_blocks * config.cache.block_size, self.max_model_len)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a validated request."""
-        self.scheduler.add_request(request)
+    def add_requests(self, group: list[EngineCoreRequest]) -> None:
+        """Queue the ``n`` core requests of one user request; the first leads the others (prompt KV reuse).
+
+        Raises:
+            ValueError: a request id is already in use (none of the group is queued then).
+        """
+        clash = [r.request_id for r in group if r.request_id in self.scheduler.requests]
+        if clash:
+            raise ValueError(f"request_id {clash[0]!r} is already in use")
+        leader: Request | None = None
+        for core_request in group:
+            request = Request.from_core_request(core_request, leader)
+            leader = leader or request
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -75,18 +101,31 @@ class EngineCore:
         """True while any request waits or runs."""
         return self.scheduler.num_unfinished > 0
 
+    def update_gauges(self) -> EngineStats:
+        """Refresh the running/waiting/KV-usage gauges from the current state (e.g. after aborts)."""
+        last = self.stats.last_step
+        last.num_running = len(self.scheduler.running)
+        last.num_waiting = len(self.scheduler.waiting)
+        last.kv_cache_usage = self.kv.usage
+        return self.stats
+
     def step(self) -> list[EngineCoreOutput]:
-        """Run one step; return an output for every request that sampled a token or finished."""
+        """Run one step; return an output for every request that sampled a token or finished.
+
+        Raises:
+            StepFailed: the model raised; the step's requests are aborted and the prefix cache cleared.
+        """
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         try:
             results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
-        except Exception:
+        except Exception as e:
             # The step's KV was not (fully) written: drop its requests and every cached hash, so that no
             # later request reuses a block holding garbage; other requests simply recompute.
-            self.abort_requests([r.request_id for r, _ in sched.scheduled])
+            failed = [r.request_id for r, _ in sched.scheduled]
+            self.abort_requests(failed)
             self.kv.pool.reset_prefix_cache()
-            raise
+            raise StepFailed(failed, e) from e
         now = time.time()
         sampled = {rid: token for rid, (token, _) in results.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
@@ -114,6 +153,7 @@ class EngineCore:
                 num_cached_tokens=request.num_cached_tokens,
                 prompt_logprobs=request.prompt_logprobs if first and
                 request.sampling_params.prompt_logprobs is not None else None,
+                metrics=metrics if rid in finished else None,
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -37,11 +38,34 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
+@dataclass
+class EngineCoreRequest:
+    """A validated request as the frontend hands it to the engine core (picklable, no tensors).
+
+    Attributes:
+        request_id: unique core id.
+        prompt_token_ids: the prompt, ``len >= 1``.
+        sampling_params: validated parameters with ``max_tokens`` resolved.
+        eos_token_id: the model's EOS id, or ``None``.
+        arrival_time: seconds since the epoch.
+        parent_id: the user-visible request id.
+        index: which of the parent's ``n`` completions this is.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    parent_id: str
+    index: int = 0
+
+
 class Request:
     """A sequence being computed by the engine core.
 
     Args:
-        request_id: unique core id (``f"{parent_id}-{index}"`` when ``n > 1``).
+        request_id: unique core id (``f"{parent_id}#{k}"`` for a counter ``k``).
         prompt_token_ids: the prompt, ``len >= 1``.
         sampling_params: validated parameters; ``max_tokens`` already capped to fit ``max_model_len``.
         eos_token_id: the model's EOS id, or ``None``.
@@ -76,6 +100,12 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed + index)
+
+    @classmethod
+    def from_core_request(cls, r: EngineCoreRequest, group_leader: Request | None = None) -> Request:
+        """Build the core's mutable request from what the frontend sent."""
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time,
+                   r.parent_id, r.index, group_leader)
 
     @property
     def num_tokens(self) -> int:

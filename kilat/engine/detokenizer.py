@@ -49,7 +49,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT, 0)
         self._text = ""
-        self._num_sent = 0
         self._num_generated = 0
 
     @property
@@ -83,22 +82,6 @@ class IncrementalDetokenizer:
         if self._num_generated < self.params.min_tokens:
             return None
         return self._match_stop(num_checked)
-
-    def get_delta_text(self, finished: bool) -> str:
-        """The text not returned by earlier calls.
-
-        Unless ``finished``, a trailing piece that could still grow into a stop string (the longest suffix
-        that is a proper prefix of a stop string) is held back. All deltas concatenated equal
-        :attr:`output_text` once a call with ``finished=True`` was made.
-        """
-        end = len(self._text)
-        if not finished:
-            end -= max((_partial_stop_len(self._text, stop) for stop in self.params.stop), default=0)
-        if end <= self._num_sent:
-            return ""
-        delta = self._text[self._num_sent:end]
-        self._num_sent = end
-        return delta
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         """Token strings of the ids, without skipped special tokens and ids unknown to the tokenizer."""
@@ -135,6 +118,35 @@ class IncrementalDetokenizer:
         end, start, stop = best
         self._text = self._text[:end if self.params.include_stop_str_in_output else start]
         return stop
+
+
+class TextDelta:
+    """The part of a growing completion text that is safe to stream (OpenAI-style ``delta``).
+
+    Unless the text is final, a trailing piece that could still grow into a stop string (the longest suffix
+    that is a proper prefix of a stop string) is held back, so that no character of a stop string is ever
+    sent. Since the detokenizer only cuts the text at a stop string, the text already sent stays a prefix of
+    the final text, and all deltas concatenated equal it once a call with ``finished=True`` was made.
+
+    Args:
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.num_sent = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        """The text after what earlier calls returned, less a possible partial stop string unless
+        ``finished``."""
+        end = len(text)
+        if not finished:
+            end -= max((_partial_stop_len(text, stop) for stop in self.stop), default=0)
+        if end <= self.num_sent:
+            return ""
+        delta = text[self.num_sent:end]
+        self.num_sent = end
+        return delta
 
 
 def _partial_stop_len(text: str, stop: str) -> int:

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kilat.core.request import Request
+from kilat.core.request import EngineCoreRequest
 from kilat.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -102,7 +102,8 @@ class InputProcessor:
         return replace(params, max_tokens=params.max_tokens or room, stop_token_ids=stop_ids)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                add_special_tokens: bool = True) -> tuple[str | None, list[int], SamplingParams, list[Request]]:
+                add_special_tokens: bool = True,
+                ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """Tokenize and validate; return (prompt text, prompt ids, resolved params, ``n`` core requests).
 
         Core requests get engine-unique ids (``f"{request_id}#{k}"`` with a counter ``k``), so no caller id
@@ -112,11 +113,8 @@ class InputProcessor:
         text, ids = self.to_token_ids(prompt, add_special_tokens)
         params = self.validate_params(params, len(ids))
         now = time.time()
-        requests: list[Request] = []
-        for i in range(params.n):
-            core_id = f"{request_id}#{next(self._core_ids)}"
-            requests.append(Request(core_id, ids, params, self.eos_token_id, now, parent_id=request_id,
-                                    index=i, group_leader=requests[0] if requests else None))
+        requests = [EngineCoreRequest(f"{request_id}#{next(self._core_ids)}", ids, params, self.eos_token_id,
+                                      now, parent_id=request_id, index=i) for i in range(params.n)]
         return text, ids, params, requests
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kilat.core.engine_core import EngineCoreOutput
-from kilat.core.request import Request
+from kilat.core.request import EngineCoreRequest
 from kilat.engine.detokenizer import IncrementalDetokenizer
-from kilat.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kilat.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from kilat.sampling_params import SamplingParams
 
 
@@ -18,6 +19,23 @@ class _RequestState:
     detokenizers: list[IncrementalDetokenizer]
     num_unfinished: int
     core_ids: list[str] = field(default_factory=list)
+
+
+def _update_metrics(output: RequestOutput, co: EngineCoreOutput, now: float, finished: bool) -> None:
+    """Take the core's timings when it sends them (at finish); until then, and for a request ended by a stop
+    string here, time tokens as they arrive (``now``, seconds since the epoch)."""
+    if co.metrics is not None:
+        output.metrics = co.metrics
+        return
+    metrics = output.metrics
+    assert metrics is not None
+    if co.new_token_ids:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += len(co.new_token_ids)
+    if finished and metrics.finished_time is None:
+        metrics.finished_time = now
 
 
 class OutputProcessor:
@@ -36,7 +54,7 @@ class OutputProcessor:
         return len(self._states)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, core_requests: list[Request]) -> None:
+                    params: SamplingParams, core_requests: list[EngineCoreRequest]) -> None:
         """Start tracking a request and its ``n`` core requests.
 
         Raises:
@@ -48,7 +66,8 @@ class OutputProcessor:
                                         logprobs=[] if params.logprobs is not None else None)
                        for i in range(params.n)]
         output = RequestOutput(request_id, prompt, prompt_token_ids, completions, finished=False,
-                               metrics=core_requests[0].metrics)
+                               metrics=RequestMetrics(core_requests[0].arrival_time,
+                                                      num_prompt_tokens=len(prompt_token_ids)))
         detoks = [IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids) for _ in range(params.n)]
         self._states[request_id] = _RequestState(output, detoks, params.n,
                                                  [r.request_id for r in core_requests])
@@ -78,6 +97,7 @@ class OutputProcessor:
         """
         updated: dict[str, RequestOutput] = {}
         to_abort: list[str] = []
+        now = time.time()
         for co in core_outputs:
             parent = self._core_to_parent.get(co.request_id)
             if parent is None:
@@ -99,6 +119,8 @@ class OutputProcessor:
                 if finish_reason is None:
                     to_abort.append(co.request_id)
                 finish_reason, stop_reason = "stop", stop_str
+            if parent[1] == 0:
+                _update_metrics(state.output, co, now, finish_reason is not None)
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason

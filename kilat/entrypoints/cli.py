@@ -1,9 +1,11 @@
-"""The ``kilat`` command line: ``kilat generate`` and an interactive, streaming ``kilat chat``."""
+"""The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat generate`` and an
+interactive, streaming ``kilat chat``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -101,10 +103,39 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": _stream(engine, rid)})
 
 
+def cmd_serve(ns: argparse.Namespace) -> None:
+    """Serve the model over the OpenAI API until SIGINT or SIGTERM."""
+    from kilat.entrypoints.openai.api_server import ServerConfig, run_server
+
+    config = ServerConfig(host=ns.host, port=ns.port, served_model_name=ns.served_model_name or [],
+                          api_key=ns.api_key, max_request_body_bytes=ns.max_request_body_bytes,
+                          uvicorn_log_level=ns.uvicorn_log_level,
+                          disable_uvicorn_access_log=ns.disable_uvicorn_access_log)
+    run_server(engine_args_from(ns), config)
+
+
+def _server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model names clients may use (default: the model path, or SmolLM2-135M-Instruct)")
+    parser.add_argument("--api-key", default=os.environ.get("KILAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILAT_API_KEY)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger request bodies get HTTP 413")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kilat`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="kilat", description="Kilat LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    add_engine_args(serve)
+    _server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate completions offline")
     add_engine_args(gen)
     _sampling_args(gen)
@@ -122,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kilat`` command."""
     ns = build_parser().parse_args(argv)
+    from kilat.engine.core_client import EngineDeadError
+
     try:
         ns.func(ns)
-    except ValueError as e:
+    except (ValueError, EngineDeadError) as e:
         print(f"kilat: error: {e}", file=sys.stderr)
         sys.exit(2)
 

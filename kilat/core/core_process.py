@@ -1,0 +1,179 @@
+"""The engine core in its own process: a busy loop of receive → step → send over ZMQ.
+
+The frontend (API process) pushes :class:`AddRequests`, :class:`AbortRequests` and :class:`Shutdown`
+messages; the core pushes back one :class:`EngineCoreOutputs` per loop turn that stepped or changed
+state. Messages are pickled. The core never waits on a client: it only blocks on its input socket when it
+has nothing to run, and it exits by itself when the parent process dies (design.md, "process layout").
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kilat.config import EngineConfig
+from kilat.core.engine_core import EngineCore, EngineCoreOutput, StepFailed
+from kilat.core.request import EngineCoreRequest, RequestStatus
+from kilat.metrics.stats import EngineStats
+
+logger = logging.getLogger("kilat")
+
+_IDLE_POLL_MS = 1000
+"""How long an idle core waits for input before checking that its parent is alive (milliseconds)."""
+
+
+@dataclass
+class AddRequests:
+    """Queue the ``n`` core requests of one user request."""
+
+    requests: list[EngineCoreRequest]
+
+
+@dataclass
+class AbortRequests:
+    """Finish core requests by id with ``status`` (unknown ids are ignored): ``FINISHED_ABORTED`` for a
+    cancelled request, ``FINISHED_STOPPED`` when the frontend matched a stop string."""
+
+    request_ids: list[str]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+
+
+@dataclass
+class Shutdown:
+    """Stop the loop and exit."""
+
+
+@dataclass
+class EngineCoreReady:
+    """Sent once after the model is loaded.
+
+    Attributes:
+        hf_config: the model's transformers config.
+        max_model_len: context limit in tokens.
+        num_blocks: KV-cache blocks.
+        block_size: tokens per block.
+    """
+
+    hf_config: Any
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One loop turn's results.
+
+    Attributes:
+        outputs: per request that sampled a token or finished.
+        stats: cumulative counters and current gauges.
+        error: the message of a failed step (its requests come back with finish reason ``"abort"``), or of
+            a rejected message.
+    """
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    error: str | None = None
+
+
+def _send(socket: zmq.Socket, message: Any) -> None:
+    socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class EngineCoreProc:
+    """Runs an :class:`EngineCore` against two connected ZMQ sockets.
+
+    Args:
+        core: the engine core, loaded.
+        input_socket: PULL socket of frontend messages.
+        output_socket: PUSH socket for :class:`EngineCoreReady` and :class:`EngineCoreOutputs`.
+    """
+
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket):
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+
+    def _handle(self, message: Any) -> str | None:
+        """Apply one frontend message; return an error text for a rejected one."""
+        if isinstance(message, AddRequests):
+            try:
+                self.core.add_requests(message.requests)
+            except ValueError as e:
+                return str(e)
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids, message.status)
+        elif isinstance(message, Shutdown):
+            raise SystemExit(0)
+        return None
+
+    def run(self) -> None:
+        """Loop until :class:`Shutdown`, SIGTERM, or the parent's death."""
+        parent = multiprocessing.parent_process()
+        while True:
+            if not self.core.has_unfinished_requests() and not self.input.poll(_IDLE_POLL_MS):
+                if parent is not None and not parent.is_alive():
+                    logger.warning("engine core: the frontend process is gone; exiting")
+                    return
+                continue
+            errors = []
+            received = False
+            while self.input.poll(0):
+                received = True
+                error = self._handle(pickle.loads(self.input.recv()))
+                if error:
+                    errors.append(error)
+            outputs: list[EngineCoreOutput] = []
+            if self.core.has_unfinished_requests():
+                try:
+                    outputs = self.core.step()
+                except StepFailed as e:
+                    logger.exception("engine core: step failed")
+                    outputs = [EngineCoreOutput(rid, [], None, finish_reason="abort") for rid in e.request_ids]
+                    errors.append(str(e))
+            elif not received:
+                continue
+            _send(self.output, EngineCoreOutputs(outputs, self.core.update_gauges(), error="; ".join(errors) or None))
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Process entry point: load the model, send :class:`EngineCoreReady`, and loop.
+
+    SIGINT is ignored (Ctrl-C reaches the whole process group; the frontend decides when to stop) and
+    SIGTERM exits cleanly. A failure while loading is sent to the frontend as an
+    :class:`EngineCoreOutputs` with ``error`` set, and the process exits with status 1.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit)
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    try:
+        try:
+            core = EngineCore(config)
+        except Exception as e:
+            logger.exception("engine core: loading failed")
+            _send(output_socket, EngineCoreOutputs([], EngineStats(), error=f"{type(e).__name__}: {e}"))
+            raise SystemExit(1) from e
+        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len, core.runner.num_blocks,
+                                             config.cache.block_size))
+        EngineCoreProc(core, input_socket, output_socket).run()
+    except SystemExit as e:
+        if e.code:
+            raise
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close(linger=1000)
+        ctx.term()

@@ -1,0 +1,210 @@
+"""The served engine: the frontend of an engine core that runs in its own process (vLLM's ``AsyncLLM``).
+
+Requests are tokenized, validated and detokenized here, in the caller's asyncio event loop; the model runs
+in the engine-core process. One background task receives the core's outputs, applies them, and wakes the
+:class:`RequestStream` of every request they updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from kilat.config import EngineArgs
+from kilat.core.request import RequestStatus
+from kilat.engine.core_client import EngineCoreClient, EngineDeadError
+from kilat.engine.input_processor import PromptType
+from kilat.engine.processors import build_processors
+from kilat.metrics.stats import EngineStats
+from kilat.model_executor.loader import resolve_model_source
+from kilat.outputs import RequestOutput
+from kilat.sampling_params import SamplingParams
+
+logger = logging.getLogger("kilat")
+
+
+class StatLogger(Protocol):
+    """Receives what the frontend sees, e.g. to export Prometheus metrics."""
+
+    def record(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """Called once per batch of core outputs, after they were applied."""
+
+    def forget(self, request_id: str) -> None:
+        """Called when a request is aborted before it finished."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of :class:`RequestOutput`.
+
+    Each item is the request's cumulative state (the same object, updated in place); items that arrive
+    while the consumer is busy are merged into the next one. Leaving the iteration early (a break, an
+    exception, a cancelled task) aborts the request in the engine.
+
+    Attributes:
+        request_id: the caller-visible id.
+        output: the latest state, ``None`` before the first token.
+        error: why the engine ended the request, when it failed (finish reason ``"abort"``).
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLM):
+        self.request_id = request_id
+        self.output: RequestOutput | None = None
+        self.error: str | None = None
+        self._engine = engine
+        self._event = asyncio.Event()
+        self._done = False
+        self._dead_error: str | None = None
+
+    def put(self, output: RequestOutput, error: str | None = None) -> None:
+        """Publish a new state; ``error`` when the engine ended the request because a step failed."""
+        self.output = output
+        if error is not None:
+            self.error = error
+        self._event.set()
+
+    def fail(self, error: str) -> None:
+        """End the stream: the engine-core process died."""
+        self._dead_error = error
+        self._event.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._done:
+                await self._event.wait()
+                self._event.clear()
+                if self._dead_error is not None:
+                    self._done = True
+                    raise EngineDeadError(self._dead_error)
+                assert self.output is not None
+                self._done = self.output.finished
+                yield self.output
+        finally:
+            if not self._done:
+                self._engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Starts the engine-core process and serves requests from an asyncio event loop.
+
+    Args:
+        engine_args: flat engine arguments (vLLM names).
+        stat_logger: optional receiver of outputs and engine stats (e.g. Prometheus).
+
+    Raises:
+        ValueError: an invalid engine argument or model path, named.
+        EngineDeadError: the core process failed to load the model.
+    """
+
+    def __init__(self, engine_args: EngineArgs, stat_logger: StatLogger | None = None):
+        self.config = engine_args.create_engine_config()
+        resolve_model_source(self.config.model.model, self.config.model.load_format)
+        self.client = EngineCoreClient(self.config)
+        ready = self.client.ready
+        self.max_model_len = ready.max_model_len
+        self.num_blocks = ready.num_blocks
+        self.hf_config = ready.hf_config
+        try:
+            self.tokenizer, self.input_processor, self.output_processor = build_processors(
+                self.config.model, ready.hf_config, ready.max_model_len)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.stats = EngineStats()
+        self.stat_logger = stat_logger
+        self.dead_error: str | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._output_task: asyncio.Task | None = None
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine-core process has died."""
+        return self.dead_error is None and self.client.process.is_alive()
+
+    def new_request_id(self) -> str:
+        """A fresh, unique request id."""
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    add_special_tokens: bool = True) -> RequestStream:
+        """Validate a request, queue it in the engine and return its output stream.
+
+        Must be called from the event loop that consumes the stream.
+
+        Raises:
+            ValueError: the prompt or parameters are invalid (nothing is queued).
+            EngineDeadError: the engine-core process is gone.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self.dead_error or "engine core is not running")
+        text, ids, params, core_requests = self.input_processor.process(request_id, prompt, params,
+                                                                        add_special_tokens)
+        self.output_processor.add_request(request_id, text, ids, params, core_requests)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self.client.add_requests(core_requests)
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its cumulative outputs until it finishes.
+
+        Raises:
+            ValueError: the prompt or parameters are invalid.
+            EngineDeadError: the engine-core process died.
+        """
+        stream = self.add_request(request_id or self.new_request_id(), prompt, params, add_special_tokens)
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its KV blocks are freed in the core."""
+        self._streams.pop(request_id, None)
+        core_ids = self.output_processor.abort_request(request_id)
+        if core_ids:
+            self.client.abort_requests(core_ids)
+            if self.stat_logger is not None:
+                self.stat_logger.forget(request_id)
+
+    async def _handle_outputs(self) -> None:
+        """Receive core outputs forever; on the core's death, fail every request in flight."""
+        try:
+            while True:
+                message = await self.client.get_outputs()
+                self.stats = message.stats
+                outputs, to_abort = self.output_processor.process_outputs(message.outputs)
+                if to_abort:
+                    self.client.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+                if message.error:
+                    logger.error("engine core: %s", message.error)
+                for output in outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is None:
+                        continue
+                    failed = any(c.finish_reason == "abort" for c in output.outputs)
+                    stream.put(output, message.error if failed else None)
+                    if output.finished:
+                        del self._streams[output.request_id]
+                if self.stat_logger is not None:
+                    self.stat_logger.record(outputs, message.stats)
+        except EngineDeadError as e:
+            self.dead_error = str(e)
+            logger.error("%s; failing %d request(s) in flight", e, len(self._streams))
+            for stream in self._streams.values():
+                stream.fail(self.dead_error)
+            self._streams.clear()
+
+    def shutdown(self) -> None:
+        """Stop the output task and the engine-core process. Idempotent."""
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer."""
+        return self.tokenizer

@@ -1,0 +1,127 @@
+"""The frontend's side of the engine-core process: start it, send it messages, receive its outputs.
+
+The core runs :func:`kilat.core.core_process.run_engine_core` in a ``spawn``-ed process (no state is
+inherited from the API process). Two ZMQ PUSH/PULL pairs over IPC sockets in a private temporary
+directory carry pickled messages; sends never block (no high-water mark), so the API process never
+waits on the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kilat.config import EngineConfig
+from kilat.core.core_process import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    Shutdown,
+    run_engine_core,
+)
+from kilat.core.request import EngineCoreRequest, RequestStatus
+
+logger = logging.getLogger("kilat")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process exited or failed; no request can be served."""
+
+
+class EngineCoreClient:
+    """Starts the engine-core process and waits until its model is loaded.
+
+    Args:
+        config: validated engine configuration.
+        ready_timeout_s: most seconds to wait for the model to load.
+
+    Raises:
+        EngineDeadError: the process failed to load the model (its error is in the message) or timed out.
+    """
+
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0):
+        self._dir = tempfile.mkdtemp(prefix="kilat-")
+        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(output_address)
+        self._async_output: zmq.asyncio.Socket | None = None
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, input_address, output_address),
+            name="kilat-engine-core", daemon=True)
+        self.process.start()
+        try:
+            self.ready = self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> EngineCoreReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._output.poll(200):
+                message = pickle.loads(self._output.recv())
+                if isinstance(message, EngineCoreReady):
+                    return message
+                raise EngineDeadError(f"engine core failed to start: {message.error}")
+            if not self.process.is_alive():
+                raise EngineDeadError(f"engine core exited with code {self.process.exitcode} while loading")
+        raise EngineDeadError(f"engine core did not load the model within {timeout_s:.0f} s")
+
+    def _send(self, message: Any) -> None:
+        self._input.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queue one user request's core requests."""
+        self._send(AddRequests(requests))
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish core requests (``abort`` by default); their blocks are freed."""
+        if request_ids:
+            self._send(AbortRequests(request_ids, status))
+
+    async def get_outputs(self, poll_s: float = 1.0) -> EngineCoreOutputs:
+        """Wait for the next :class:`EngineCoreOutputs`.
+
+        Raises:
+            EngineDeadError: the core process has exited.
+        """
+        if self._async_output is None:
+            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
+        while True:
+            if await self._async_output.poll(poll_s * 1000):
+                return pickle.loads(await self._async_output.recv())
+            if not self.process.is_alive():
+                raise EngineDeadError(f"engine core exited with code {self.process.exitcode}")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the core to exit, then terminate (and at last kill) it; close the sockets. Idempotent."""
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(Shutdown())
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("engine core did not exit; terminating it")
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        if not self._ctx.closed:
+            self._ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,218 @@
+"""Request bodies of the OpenAI API (completions, chat completions) plus vLLM's extra sampling fields.
+
+Types are checked by pydantic; values are checked by :class:`~kilat.sampling_params.SamplingParams` and
+the input processor, whose ``ValueError`` names the field. Unknown fields are ignored, as OpenAI-compatible
+servers do. See https://platform.openai.com/docs/api-reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kilat.sampling_params import SamplingParams
+
+_MAX_TOP_LOGPROBS = 20
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``, the body of every non-2xx response."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage of every choice."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Build validated sampling parameters.
+
+        Raises:
+            ValueError: a value out of range, naming the field.
+        """
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists; each prompt
+    gets ``n`` choices, numbered ``prompt_index * n + i``. ``logprobs`` (0-20) asks for that many top
+    log-probabilities per token; with ``echo`` the prompt's tokens come first.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list.
+
+        Raises:
+            ValueError: ``prompt`` is an empty list.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Validated :class:`SamplingParams` for each prompt.
+
+        Raises:
+            ValueError: an unsupported or out-of-range field, named.
+        """
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) when given, got {self.best_of}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        return self._sampling_params(self.max_tokens, self.logprobs,
+                                     self.logprobs if self.echo and self.logprobs is not None else None)
+
+
+class ChatMessage(BaseModel):
+    """One message: ``role`` plus ``content`` (a string or a list of ``{"type": "text", "text"}`` parts),
+    and, passed to the chat template, ``name``, ``tool_calls`` and ``tool_call_id``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it, text parts joined by newlines.
+
+        Raises:
+            ValueError: a content part that is not text.
+        """
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content parts must be {{'type': 'text', 'text': str}}; "
+                                     f"got type {part.get('type')!r}")
+                texts.append(part["text"])
+            message["content"] = "\n".join(texts)
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (or the older ``max_tokens``) defaults to whatever fits in
+    ``max_model_len``. ``logprobs`` with ``top_logprobs`` (0-20) returns log-probabilities per token.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Validated :class:`SamplingParams`.
+
+        Raises:
+            ValueError: an unsupported or out-of-range field, named.
+        """
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,203 @@
+"""What the completions and chat endpoints share: model check, request start, stream merging, streamed
+deltas, usage, errors, and Server-Sent Events (https://platform.openai.com/docs/api-reference/streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kilat.engine.async_llm import AsyncLLM, RequestStream
+from kilat.engine.core_client import EngineDeadError
+from kilat.engine.detokenizer import TextDelta
+from kilat.engine.input_processor import PromptType
+from kilat.outputs import CompletionOutput, RequestOutput
+from kilat.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0
+"""JSON has no infinity: log-probabilities below this are sent as this value (as vLLM does)."""
+
+
+class APIError(Exception):
+    """An error for the client, rendered as OpenAI's ``{"error": {...}}`` with an HTTP status.
+
+    Args:
+        status: HTTP status code (400, 401, 404, 413, 500, 503).
+        message: human-readable explanation.
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ``server_error``).
+        param: the request field at fault, if known.
+        code: a short machine-readable code, if any.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(error: ValueError, fields: set[str]) -> APIError:
+    """A 400 for a ``ValueError`` from validation; ``param`` is the field its message starts with."""
+    message = str(error)
+    match = re.match(r"[a-z_]+", message)
+    word = match.group(0) if match else ""
+    param = "prompt" if word == "prompt_token_ids" else word if word in fields else None
+    return APIError(400, message, param=param)
+
+
+def clamp_logprob(value: float) -> float:
+    """A JSON-safe log-probability."""
+    return max(value, MIN_LOGPROB)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One Server-Sent Event carrying ``data`` (a JSON object, or the literal ``[DONE]``)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI ``usage`` over every prompt and every choice (tokens)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+
+
+class ChoiceStream:
+    """What one choice has sent so far in a streamed response.
+
+    Args:
+        stop: the request's stop strings (text that might grow into one is held back).
+    """
+
+    def __init__(self, stop: list[str]):
+        self._text = TextDelta(stop)
+        self.num_sent_tokens = 0
+        self.finished = False
+
+    def next(self, completion: CompletionOutput) -> tuple[str, range] | None:
+        """The next chunk's text and the token positions it covers, or ``None`` when there is nothing to
+        send. The chunk that carries the finish reason is returned exactly once, and nothing after it."""
+        if self.finished:
+            return None
+        done = completion.finish_reason is not None
+        text = self._text.next(completion.text, done)
+        if not text and not done:
+            return None
+        tokens = range(self.num_sent_tokens, len(completion.token_ids))
+        self.num_sent_tokens = len(completion.token_ids)
+        self.finished = done
+        return text, tokens
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers.
+
+    Args:
+        engine: the running engine.
+        served_model_names: names clients may use in ``model``; the first is reported back.
+    """
+
+    prefix = "cmpl"
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to report; ``None`` means the default.
+
+        Raises:
+            APIError: 404 for a model this server does not serve.
+        """
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{self.served_model_names}", param="model", code="model_not_found")
+        return model
+
+    def new_id(self) -> str:
+        """A response id such as ``cmpl-<32 hex digits>``."""
+        return f"{self.prefix}-{uuid.uuid4().hex}"
+
+    def start(self, response_id: str, prompts: list[PromptType], params: SamplingParams,
+              add_special_tokens: bool, fields: set[str]) -> list[RequestStream]:
+        """Queue one engine request per prompt; all or none.
+
+        Raises:
+            APIError: 400 for an invalid prompt or parameter (the message names it and its limit),
+                503 when the engine is not running.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(self.engine.add_request(f"{response_id}-{i}", prompt, params, add_special_tokens))
+        except (ValueError, EngineDeadError) as e:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {e}", "server_error") from e
+            raise bad_request(e, fields) from e
+        return streams
+
+    @staticmethod
+    async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield ``(prompt index, latest output)`` whenever any stream updates, until all finish.
+
+        Leaving early aborts the requests still running.
+
+        Raises:
+            APIError: 500 when the engine failed a request, 503 when it died.
+        """
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output, None))
+            except EngineDeadError as e:
+                queue.put_nowait((index, None, e))
+                return
+            queue.put_nowait((index, None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, output, error = await queue.get()
+                if error is not None:
+                    raise APIError(503, f"the engine stopped: {error}", "server_error") from error
+                if output is None:
+                    remaining -= 1
+                    continue
+                if streams[index].error is not None:
+                    raise APIError(500, f"the engine failed this request: {streams[index].error}",
+                                   "server_error")
+                yield index, output
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait until every request finishes; return their final outputs in prompt order."""
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in self.merge(streams):
+            finals[index] = output
+        return [finals[i] for i in range(len(streams))]
+
+
+def created() -> int:
+    """Seconds since the epoch, as OpenAI's ``created``."""
+    return int(time.time())

@@ -1,0 +1,120 @@
+"""``POST /v1/chat/completions`` (https://platform.openai.com/docs/api-reference/chat)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kilat.engine.async_llm import RequestStream
+from kilat.entrypoints.openai.protocol import ChatCompletionRequest
+from kilat.entrypoints.openai.serving import (
+    APIError,
+    ChoiceStream,
+    OpenAIServing,
+    bad_request,
+    clamp_logprob,
+    created,
+    sse,
+    usage,
+)
+from kilat.outputs import CompletionOutput, Logprob, RequestOutput
+from kilat.sampling_params import SamplingParams
+
+_FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+def _token_logprob(lp: Logprob) -> dict[str, Any]:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": clamp_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Renders the conversation with the model's chat template and builds chat responses."""
+
+    prefix = "chatcmpl"
+
+    @staticmethod
+    def _logprobs(completion: CompletionOutput, tokens: range, num_top: int) -> dict[str, Any] | None:
+        """OpenAI's chat ``logprobs``: per token its logprob, UTF-8 bytes and the top ``num_top``."""
+        if completion.logprobs is None:
+            return None
+        content = []
+        for i in tokens:
+            entry = completion.logprobs[i]
+            item = _token_logprob(entry[completion.token_ids[i]])
+            item["top_logprobs"] = [_token_logprob(lp) for lp in sorted(entry.values(), key=lambda lp: lp.rank)
+                                    if lp.rank <= num_top]
+            content.append(item)
+        return {"content": content}
+
+    def _prompt(self, request: ChatCompletionRequest) -> str:
+        """The rendered conversation.
+
+        Raises:
+            ValueError: malformed messages or a failing template.
+        """
+        messages = [m.to_template_dict() for m in request.messages]
+        return self.engine.input_processor.apply_chat_template(
+            messages, request.add_generation_prompt, request.continue_final_message, request.chat_template,
+            **(request.chat_template_kwargs or {}))
+
+    async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        """A whole response, or an async iterator of SSE lines when ``stream``.
+
+        Raises:
+            APIError: 400 for invalid input, 404 for an unknown model, 500/503 for engine failures.
+        """
+        model = self.check_model(request.model)
+        try:
+            params = request.to_sampling_params()
+            prompt = self._prompt(request)
+        except ValueError as e:
+            raise bad_request(e, _FIELDS) from e
+        response_id = self.new_id()
+        streams = self.start(response_id, [prompt], params, False, _FIELDS)
+        if request.stream:
+            return self._stream(request, model, response_id, streams[0], params)
+        (output,) = await self.final_outputs(streams)
+        num_top = request.top_logprobs or 0
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        return {"id": response_id, "object": "chat.completion", "created": created(), "model": model,
+                "choices": choices, "usage": usage([output])}
+
+    async def _stream(self, request: ChatCompletionRequest, model: str, response_id: str, stream: RequestStream,
+                      params: SamplingParams) -> AsyncIterator[str]:
+        """SSE chunks: a role chunk per choice, content deltas, one chunk per choice with its finish reason,
+        then usage (when asked) and ``[DONE]``."""
+        base: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created(),
+                                "model": model}
+        if request.include_usage:
+            base["usage"] = None
+        num_top = request.top_logprobs or 0
+        for i in range(params.n):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        states = [ChoiceStream(params.stop) for _ in range(params.n)]
+        final: RequestOutput | None = None
+        try:
+            async for _, output in self.merge([stream]):
+                final = output
+                for c in output.outputs:
+                    state = states[c.index]
+                    step = state.next(c)
+                    if step is None:
+                        continue
+                    text, tokens = step
+                    done = state.finished
+                    yield sse({**base, "choices": [{
+                        "index": c.index, "delta": {"content": text} if text or not done else {},
+                        "logprobs": self._logprobs(c, tokens, num_top),
+                        "finish_reason": c.finish_reason if done else None,
+                        "stop_reason": c.stop_reason if done else None}]})
+        except APIError as e:
+            yield sse(e.body())
+            yield sse("[DONE]")
+            return
+        if request.include_usage and final is not None:
+            yield sse({**base, "choices": [], "usage": usage([final])})
+        yield sse("[DONE]")

@@ -1,0 +1,113 @@
+"""Prometheus metrics of the served engine, named as in ``../shared/docs/metrics.md`` (prefix ``kilat:``).
+
+Histograms are observed in the API process: TTFT, TPOT, E2E latency, queue, prefill and decode time when a
+request finishes (from the engine core's timestamps), and inter-token latency as output tokens arrive.
+Counters and gauges are read from the engine core's latest :class:`~kilat.metrics.stats.EngineStats` at
+scrape time. Each logger has its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kilat.metrics.stats import EngineStats
+from kilat.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""Histogram buckets in seconds, from 1 ms to about 43 minutes."""
+
+
+class _EngineStatsCollector:
+    """Counters and gauges from the core's latest stats (a custom collector, read at scrape time)."""
+
+    def __init__(self, logger: PrometheusStatLogger):
+        self.logger = logger
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.logger.stats
+        for name, doc, value in (
+                ("kilat:prompt_tokens", "Prompt tokens of requests that produced a token.",
+                 stats.num_prompt_tokens),
+                ("kilat:generation_tokens", "Generated tokens.", stats.num_generation_tokens),
+                ("kilat:num_preemptions", "Requests preempted.", stats.num_preemptions),
+                ("kilat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats.prefix_cache_queries),
+                ("kilat:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                 stats.prefix_cache_hits)):
+            yield CounterMetricFamily(name, doc, value=value)
+        finished = CounterMetricFamily("kilat:request_success", "Finished requests by finish reason.",
+                                       labels=["finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            finished.add_metric([reason], stats.finished_by_reason.get(reason, 0))
+        yield finished
+        last = stats.last_step
+        for name, doc, value in (
+                ("kilat:num_requests_running", "Requests running in the engine.", last.num_running),
+                ("kilat:num_requests_waiting", "Requests waiting in the engine.", last.num_waiting),
+                ("kilat:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", last.kv_cache_usage)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class PrometheusStatLogger:
+    """Collects the served engine's metrics; implements :class:`~kilat.engine.async_llm.StatLogger`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.stats = EngineStats()
+        self._last_token: dict[str, tuple[float, int]] = {}
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("kilat:time_to_first_token_seconds", "Time to first token (s).")
+        self.itl = histogram("kilat:inter_token_latency_seconds", "Gap between output tokens arriving (s).")
+        self.tpot = histogram("kilat:time_per_output_token_seconds", "Time per output token after the first (s).")
+        self.e2e = histogram("kilat:e2e_request_latency_seconds", "Arrival to finish (s).")
+        self.queue = histogram("kilat:request_queue_time_seconds", "Arrival to first scheduling (s).")
+        self.prefill = histogram("kilat:request_prefill_time_seconds", "First scheduling to first token (s).")
+        self.decode = histogram("kilat:request_decode_time_seconds", "First token to last token (s).")
+        self.registry.register(_EngineStatsCollector(self))
+
+    def record(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """Observe one batch of updated requests and keep the engine's latest stats."""
+        self.stats = stats
+        now = time.time()
+        for output in outputs:
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            last = self._last_token.get(output.request_id)
+            if last is not None and num_tokens > last[1]:
+                self.itl.observe(now - last[0])
+            self._last_token[output.request_id] = (now, num_tokens)
+            if output.finished:
+                self._last_token.pop(output.request_id, None)
+                self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode.observe(m.last_token_time - m.first_token_time)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the state of an aborted request."""
+        self._last_token.pop(request_id, None)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,90 @@
+"""Start a real ``kilat serve`` in a subprocess for tests, and find its engine-core child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m kilat.entrypoints.cli serve ARGS`` on a free port; ``url`` is its base URL.
+
+    Raises:
+        RuntimeError: the server did not answer ``/health`` within ``timeout_s``.
+    """
+
+    def __init__(self, *args: str, timeout_s: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "KILAT_LOG_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(self.port),
+             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args], env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kilat serve exited with {self.proc.returncode}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("kilat serve did not become healthy")
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (the engine core, multiprocessing's resource tracker)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                pids.append(int(entry))
+        return pids
+
+    def engine_core_pid(self) -> int:
+        """Pid of the engine-core process."""
+        for pid in self.children():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return pid
+        raise RuntimeError("no engine-core process")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the server and wait for it; returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,416 @@
+"""``kilat serve`` end to end: the official openai client (sync and async, streaming and not) and raw HTTP
+against a real server of the embedded model in float32, greedy unless stated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from tests.server_utils import Server
+
+API_KEY = "sk-kilat-test"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 2048
+MAX_BODY = 64 * 1024
+REPLACEMENT = "\ufffd"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+                 "--max-request-body-bytes", str(MAX_BODY))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server: Server, path: str, body: Any, headers: dict[str, str] | None = None) -> requests.Response:
+    return requests.post(server.url + path, json=body, headers=AUTH if headers is None else headers, timeout=60)
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """The server's Prometheus samples without labels, plus ``request_success_total`` by reason."""
+    values = {}
+    for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def chat_text(client: openai.OpenAI, content: str, stream: bool, **kwargs: Any) -> tuple[str, str | None]:
+    """(text, finish_reason) of one greedy chat completion; streamed chunks are checked and joined."""
+    messages = [{"role": "user", "content": content}]
+    if not stream:
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, temperature=0, stream=True,
+                                                **kwargs):
+        choice = chunk.choices[0]
+        pieces.append(choice.delta.content or "")
+        reasons.append(choice.finish_reason)
+    assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+    assert all(REPLACEMENT not in p for p in pieces)
+    return "".join(pieces), reasons[-1]
+
+
+def assert_healthy(server: Server) -> None:
+    """After an error the server still answers /health and serves a normal request."""
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_models_health_version_metrics(server: Server) -> None:
+    models = requests.get(server.url + "/v1/models", headers=AUTH, timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert requests.get(server.url + "/version", timeout=10).json()["version"] == "0.1.0"
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "prompt_tokens_total", "generation_tokens_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                 "request_success_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"kilat:{name}" in text
+
+
+def test_completion_matches_offline_engine(client: openai.OpenAI) -> None:
+    from kilat import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN)
+    expected = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24),
+                                                   use_tqdm=False)]
+    del llm
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [e.text for e in expected]
+    assert r.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    ids = client.completions.create(model=MODEL, prompt=[llm_ids for llm_ids in (
+        requests.post(client.base_url.__str__().removesuffix("v1/") + "tokenize", json={"prompt": prompts[0]},
+                      headers=AUTH, timeout=10).json()["tokens"],)], max_tokens=24, temperature=0)
+    assert ids.choices[0].text == expected[0].text
+
+
+@pytest.mark.parametrize("content", [
+    "Write a short poem about the sea.",
+    "Translate to Chinese: I love my family.",
+    "Reply with three emoji that describe happiness.",
+])
+def test_streaming_equals_non_streaming(client: openai.OpenAI, content: str) -> None:
+    whole, reason = chat_text(client, content, stream=False, max_tokens=32)
+    streamed, streamed_reason = chat_text(client, content, stream=True, max_tokens=32)
+    assert streamed == whole
+    assert streamed_reason == reason == "length"
+    assert REPLACEMENT not in whole
+
+
+def test_streamed_multibyte_text_is_non_ascii(client: openai.OpenAI) -> None:
+    zh, _ = chat_text(client, "Translate to Chinese: I love my family.", stream=True, max_tokens=32)
+    emoji, _ = chat_text(client, "Reply with three emoji that describe happiness.", stream=True, max_tokens=32)
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in zh)
+    assert any(ord(ch) > 0xFFFF for ch in emoji)
+
+
+def _tokens(client: openai.OpenAI, prompt: str, max_tokens: int) -> list[str]:
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0)
+    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
+    return r.choices[0].logprobs.tokens
+
+
+def _stream_completion(client: openai.OpenAI, **kwargs: Any) -> tuple[list[str], str | None]:
+    pieces, reasons = [], []
+    for chunk in client.completions.create(model=MODEL, temperature=0, stream=True, **kwargs):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+    return pieces, reasons[-1]
+
+
+PROMPT = "Once upon a time, in a small village,"
+
+
+@pytest.mark.parametrize("kind", ["spans_tokens", "ends_inside_token", "never_matches"])
+def test_stop_string_streaming(client: openai.OpenAI, kind: str) -> None:
+    tokens = _tokens(client, PROMPT, 40)
+    full = "".join(tokens)
+    k = next(i for i in range(8, len(tokens) - 1) if len(tokens[i]) >= 3 and len(tokens[i + 1]) >= 3)
+    before = "".join(tokens[:k])
+    if kind == "spans_tokens":
+        stop = tokens[k][-2:] + tokens[k + 1][:2]
+    elif kind == "ends_inside_token":
+        stop = tokens[k - 1][-1:] + tokens[k][:2]
+    else:
+        stop = full[-3:] + "\u2603"
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    pieces, reason = _stream_completion(client, prompt=PROMPT, max_tokens=40, stop=[stop])
+    assert "".join(pieces) == whole.choices[0].text
+    if kind == "never_matches":
+        assert whole.choices[0].text == full
+        assert reason == whole.choices[0].finish_reason == "length"
+    else:
+        cut = full.find(stop)
+        assert 0 < cut < len(before) + len(tokens[k])
+        assert whole.choices[0].text == full[:cut]
+        assert reason == whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].stop_reason == stop
+    assert not any(stop in "".join(pieces[:i + 1]) for i in range(len(pieces)))
+
+
+def test_async_client_concurrent(server: Server, client: openai.OpenAI) -> None:
+    prompts = ["Name three colors.", "What is 2 + 2?", "Say hello in French.", "Describe a cat."]
+    expected = [chat_text(client, p, stream=False, max_tokens=20)[0] for p in prompts]
+
+    async def run() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+        async def streamed(p: str) -> str:
+            stream = await aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=20, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+        async def whole(p: str) -> str:
+            r = await aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=20)
+            return r.choices[0].message.content
+
+        results = await asyncio.gather(*[streamed(p) for p in prompts], *[whole(p) for p in prompts])
+        await aclient.close()
+        return results
+
+    assert asyncio.run(run()) == expected + expected
+
+
+def test_n_and_several_prompts_streamed(client: openai.OpenAI) -> None:
+    prompts = ["One, two,", "Red, green,"]
+    reasons: dict[int, list[str | None]] = {i: [] for i in range(4)}
+    texts: dict[int, str] = {i: "" for i in range(4)}
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0.8, seed=3,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        for c in chunk.choices:
+            reasons[c.index].append(c.finish_reason)
+            texts[c.index] += c.text
+    for i in range(4):
+        assert reasons[i][-1] == "length" and all(r is None for r in reasons[i][:-1])
+    assert usage is not None and usage.completion_tokens == 4 * 8
+    whole = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0.8, seed=3)
+    assert {c.index: c.text for c in whole.choices} == texts
+    assert whole.usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_completion_logprobs_with_echo(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    num_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert r.choices[0].text.startswith("The capital of France is")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for i in range(num_prompt, len(lp.tokens)):  # greedy: the chosen token is the most likely
+        assert len(lp.top_logprobs[i]) == 2
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert bytes(c.bytes).decode() == c.token
+
+
+def test_chat_message_forms(client: openai.OpenAI) -> None:
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    a = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": parts}],
+        max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital\nof France?"}], max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    cont = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}],
+        max_tokens=4, temperature=0, extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert cont.choices[0].message.content.strip().startswith("4")
+
+
+def test_extra_sampling_fields(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, extra_body={
+        "min_tokens": 6, "ignore_eos": True, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1,
+        "skip_special_tokens": True, "include_stop_str_in_output": False, "stop_token_ids": [2]})
+    assert r.usage.completion_tokens == 6
+
+
+def test_tokenize_detokenize(server: Server) -> None:
+    r = post(server, "/tokenize", {"prompt": "Selamat pagi"}).json()
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+    assert post(server, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == "Selamat pagi"
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > r["count"]
+
+
+LONG_PROMPT = "hello " * 2100
+
+
+@pytest.mark.parametrize(("path", "body", "param", "needle"), [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens", "2048"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt", "2048"),
+    ("/v1/completions", {"prompt": []}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": [[1, 2], [999999]]}, "prompt", "49152"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 7]}, "stop_token_ids", "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,
+                              "logprobs": True}, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4096},
+     "max_tokens", "2048"),
+])
+def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
+                            needle: str) -> None:
+    r = post(server, path, {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert needle in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert_healthy(server)
+
+
+def test_prompt_too_long_message_gives_both_numbers(server: Server) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1})
+    num_tokens = post(server, "/tokenize", {"prompt": LONG_PROMPT}).json()["count"]
+    assert r.status_code == 400
+    assert str(num_tokens) in r.json()["error"]["message"] and "2048" in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    r = requests.post(server.url + "/v1/completions", data=b'{"prompt": "x",', timeout=10,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert_healthy(server)
+
+
+def test_unknown_model_is_404(server: Server) -> None:
+    r = post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    assert requests.get(server.url + "/v2/nothing", timeout=10).status_code == 404
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_api_key_is_401(server: Server, headers: dict[str, str]) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}, headers=headers)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert_healthy(server)
+
+
+def test_oversized_body_is_413(server: Server) -> None:
+    big = {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}
+    assert post(server, "/v1/completions", big).status_code == 413
+
+    def chunks() -> Iterator[bytes]:
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 8192):
+            yield data[i:i + 8192]
+
+    r = requests.post(server.url + "/v1/completions", data=chunks(), timeout=30,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_healthy(server)
+
+
+def _wait_idle(server: Server, timeout_s: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(server)
+        if (m["kilat:num_requests_running"] == 0 and m["kilat:num_requests_waiting"] == 0
+                and m["kilat:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            return m
+
+
+def _raw_request(server: Server, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer %s\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (body.pop("_path").encode(), API_KEY.encode(), len(data), data))
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_blocks(server: Server, stream: bool) -> None:
+    before = metrics(server)['kilat:request_success_total{finished_reason="abort"}']
+    body = {"_path": "/v1/completions", "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1000,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream:
+        with requests.post(server.url + "/v1/completions", json={k: v for k, v in body.items() if k != "_path"},
+                           headers=AUTH, stream=True, timeout=60) as r:
+            chunks = []
+            for line in r.iter_lines():
+                if line.startswith(b"data: "):
+                    chunks.append(line)
+                if len(chunks) == 2:
+                    break
+            assert len(chunks) == 2
+            assert metrics(server)["kilat:num_requests_running"] == 1
+    else:
+        sock = _raw_request(server, body)
+        deadline = time.monotonic() + 30
+        while metrics(server)["kilat:num_requests_running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sock.close()
+    closed = time.monotonic()
+    m = _wait_idle(server, 1.0)
+    assert time.monotonic() - closed <= 1.0 + 0.5  # one scrape may straddle the deadline
+    assert m["kilat:num_requests_running"] == 0 and m["kilat:kv_cache_usage_perc"] == 0
+    assert m['kilat:request_success_total{finished_reason="abort"}'] == before + 1
+    assert_healthy(server)
+
+
+def test_usage_counters_agree_with_responses(server: Server, client: openai.OpenAI) -> None:
+    before = metrics(server)
+    r = client.completions.create(model=MODEL, prompt=["a b c", "d e f g"], max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(server)
+    assert after["kilat:generation_tokens_total"] - before["kilat:generation_tokens_total"] == 14
+    assert after["kilat:prompt_tokens_total"] - before["kilat:prompt_tokens_total"] == r.usage.prompt_tokens
