@@ -93,7 +93,7 @@ def test_models_health_version_metrics(server: Server) -> None:
         assert f"kilat:{name}" in text
 
 
-def test_completion_matches_offline_engine(client: openai.OpenAI) -> None:
+def test_completion_matches_offline_engine(server: Server, client: openai.OpenAI) -> None:
     from kilat import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -104,10 +104,9 @@ def test_completion_matches_offline_engine(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [e.text for e in expected]
     assert r.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
-    ids = client.completions.create(model=MODEL, prompt=[llm_ids for llm_ids in (
-        requests.post(client.base_url.__str__().removesuffix("v1/") + "tokenize", json={"prompt": prompts[0]},
-                      headers=AUTH, timeout=10).json()["tokens"],)], max_tokens=24, temperature=0)
-    assert ids.choices[0].text == expected[0].text
+    ids = post(server, "/tokenize", {"prompt": prompts[0]}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=[ids], max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == expected[0].text
 
 
 @pytest.mark.parametrize("content", [

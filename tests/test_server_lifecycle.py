@@ -61,3 +61,13 @@ def test_dead_engine_core_is_reported() -> None:
     finally:
         assert server.stop() is not None
     assert not server.children()
+
+
+def test_engine_core_exits_when_server_is_killed() -> None:
+    server = Server(*SMALL_KV)
+    core = server.engine_core_pid()
+    server.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while pid_alive(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(core)
