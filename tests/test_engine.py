@@ -116,6 +116,7 @@ def test_abort_frees_blocks(llm):
     ("hi", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
     ([10**7], SamplingParams(), "prompt_token_ids"),
     ("hi", SamplingParams(logprobs=50), "logprobs"),
+    ("a" * 256 * 81 + "a", SamplingParams(), "characters"),
 ])
 def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
@@ -134,6 +135,16 @@ def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_prompt_char_limit_is_a_true_bound(llm):
+    """No text of max_prompt_chars characters or fewer is rejected by length alone: the limit is the
+    context times the longest vocabulary string (81 characters in SmolLM2's tokenizer)."""
+    processor = llm.engine.input_processor
+    assert processor.max_prompt_chars == 256 * max(len(t) for t in llm.get_tokenizer().get_vocab())
+    longest = max(llm.get_tokenizer().get_vocab(), key=len)
+    text = llm.get_tokenizer().convert_tokens_to_string([longest])
+    assert len(text) <= len(longest)
 
 
 def test_bad_engine_args(tiny_llama_dir):

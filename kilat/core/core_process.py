@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import pickle
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,8 @@ from kilat.metrics.stats import EngineStats
 
 logger = logging.getLogger("kilat")
 
-_IDLE_POLL_MS = 1000
-"""How long an idle core waits for input before checking that its parent is alive (milliseconds)."""
+_PARENT_CHECK_S = 1.0
+"""How often the core checks that the frontend process is still alive (seconds)."""
 
 
 @dataclass
@@ -114,13 +115,16 @@ class EngineCoreProc:
         return None
 
     def run(self) -> None:
-        """Loop until :class:`Shutdown`, SIGTERM, or the parent's death."""
+        """Loop until :class:`Shutdown`, SIGTERM, or the parent's death (checked every second, busy or not)."""
         parent = multiprocessing.parent_process()
+        next_check = time.monotonic() + _PARENT_CHECK_S
         while True:
-            if not self.core.has_unfinished_requests() and not self.input.poll(_IDLE_POLL_MS):
+            if time.monotonic() >= next_check:
                 if parent is not None and not parent.is_alive():
                     logger.warning("engine core: the frontend process is gone; exiting")
                     return
+                next_check = time.monotonic() + _PARENT_CHECK_S
+            if not self.core.has_unfinished_requests() and not self.input.poll(int(_PARENT_CHECK_S * 1000)):
                 continue
             errors = []
             received = False
@@ -159,6 +163,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     input_socket = ctx.socket(zmq.PULL)
     input_socket.connect(input_address)
     output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # never block on a slow or vanished frontend
     output_socket.connect(output_address)
     try:
         try:

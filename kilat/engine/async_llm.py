@@ -172,7 +172,8 @@ class AsyncLLM:
                 self.stat_logger.forget(request_id)
 
     async def _handle_outputs(self) -> None:
-        """Receive core outputs forever; on the core's death, fail every request in flight."""
+        """Receive core outputs forever; when the core dies (or this task fails), mark the engine dead and
+        fail every request in flight, so that no client waits forever."""
         try:
             while True:
                 message = await self.client.get_outputs()
@@ -192,9 +193,12 @@ class AsyncLLM:
                         del self._streams[output.request_id]
                 if self.stat_logger is not None:
                     self.stat_logger.record(outputs, message.stats)
-        except EngineDeadError as e:
-            self.dead_error = str(e)
-            logger.error("%s; failing %d request(s) in flight", e, len(self._streams))
+        except Exception as e:  # the core died, or a bug here: either way no output will come
+            if not isinstance(e, EngineDeadError):
+                logger.exception("output handler failed")
+            self.dead_error = str(e) or type(e).__name__
+            logger.error("engine stopped (%s); failing %d request(s) in flight", self.dead_error,
+                         len(self._streams))
             for stream in self._streams.values():
                 stream.fail(self.dead_error)
             self._streams.clear()

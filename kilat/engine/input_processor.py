@@ -40,6 +40,10 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.extra_eos_token_ids = frozenset(t for t in extra_eos_token_ids if 0 <= t < vocab_size)
+        # No token covers more characters than its longest vocabulary string, so a longer text cannot fit;
+        # rejecting it before tokenizing keeps a huge prompt from stalling the server's event loop.
+        longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest_token, 1)
         self._core_ids = itertools.count()
 
     def to_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -48,7 +52,9 @@ class InputProcessor:
         ``add_special_tokens=False`` for text that already carries them (a rendered chat template).
 
         Raises:
-            ValueError: the prompt is empty, of an unknown type, or holds ids outside the vocabulary.
+            ValueError: the prompt is empty, of an unknown type, longer than ``max_model_len`` tokens could
+                hold (checked on its length in characters before tokenizing), or holds ids outside the
+                vocabulary.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -58,6 +64,9 @@ class InputProcessor:
             else:
                 raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(f"prompt is {len(prompt)} characters, more than max_model_len "
+                                 f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
             text: str | None = prompt
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids if prompt else []
         elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):

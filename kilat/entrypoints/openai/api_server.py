@@ -174,13 +174,14 @@ async def _respond(raw: Request, work: Awaitable[dict[str, Any] | AsyncIterator[
     task = asyncio.ensure_future(work)
     listener = asyncio.create_task(_wait_for_disconnect(raw.receive))
     try:
-        await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
     finally:
         listener.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)
+            await asyncio.gather(task, return_exceptions=True)
+    if task not in done:
+        return Response(status_code=499)  # the client is gone; nobody reads this
     result = task.result()
     if isinstance(result, dict):
         return JSONResponse(result)

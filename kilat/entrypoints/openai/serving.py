@@ -167,7 +167,7 @@ class OpenAIServing:
             try:
                 async for output in stream:
                     queue.put_nowait((index, output, None))
-            except EngineDeadError as e:
+            except Exception as e:  # reported by the consumer, never lost with the task
                 queue.put_nowait((index, None, e))
                 return
             queue.put_nowait((index, None, None))
@@ -177,8 +177,10 @@ class OpenAIServing:
             remaining = len(tasks)
             while remaining:
                 index, output, error = await queue.get()
-                if error is not None:
+                if isinstance(error, EngineDeadError):
                     raise APIError(503, f"the engine stopped: {error}", "server_error") from error
+                if error is not None:
+                    raise APIError(500, f"internal error: {type(error).__name__}", "server_error") from error
                 if output is None:
                     remaining -= 1
                     continue
