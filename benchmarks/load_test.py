@@ -29,9 +29,6 @@ import datetime as dt
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +40,10 @@ import openai
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.server_utils import Server, scrape_metrics  # noqa: E402  (the tests' server launcher)
+
 W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -61,56 +55,15 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except OSError:
-                pass
-    return out
-
-
-def engine_core_pid(pid: int) -> int:
-    for child in children(pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return child
-    raise RuntimeError("engine-core process not found")
-
-
-def server_metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
-def start_server(args: argparse.Namespace, port: int, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
-    """Launch ``kilat serve``; return the process and the seconds until the first completion succeeded."""
-    cmd = [sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(port),
-           "--disable-uvicorn-access-log", "--max-num-seqs", str(max(args.concurrency, 1))]
-    if args.model:
-        cmd.insert(4, args.model)
-    cmd += args.server_args
+def start_server(args: argparse.Namespace, env: dict[str, str]) -> tuple[Server, float]:
+    """Launch ``kilat serve``; return it and the seconds until its first completion had returned."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kilat serve exited with {proc.returncode}")
-        try:
-            r = requests.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=5)
-            if r.status_code == 200:
-                return proc, time.perf_counter() - start
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.05)
+    model = [args.model] if args.model else []
+    server = Server(*model, "--max-num-seqs", str(max(args.concurrency, 1)), *args.server_args, env=env,
+                    timeout_s=900)
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=60)
+    r.raise_for_status()
+    return server, time.perf_counter() - start
 
 
 async def one_client(client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]],
@@ -178,16 +131,15 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="extra kilat serve flags (after --)")
     args = parser.parse_args()
     prompts = [json.loads(line)["messages"] for line in W6_PROMPTS.read_text().splitlines() if line.strip()]
-    env = {**os.environ, "KILAT_LOG_LEVEL": "WARNING"}
+    env: dict[str, str] = {}
     tmp = None
     if args.cold:
         tmp = tempfile.TemporaryDirectory(prefix="kilat-cold-cache-")
         env["KILAT_CACHE_DIR"] = tmp.name
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc, startup_s = start_server(args, port, env)
+    server, startup_s = start_server(args, env)
+    url, proc = server.url, server.proc
     print(f"start-up to first served request: {startup_s:.1f} s ({'cold' if args.cold else 'warm'} cache)")
-    core = engine_core_pid(proc.pid)
+    core = server.engine_core_pid()
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
         "cpus": os.cpu_count(), "model": args.model or "embedded SmolLM2-135M-Instruct",
@@ -200,7 +152,7 @@ def main() -> None:
             stats = asyncio.run(run_round(url, prompts, args))
             deadline = time.monotonic() + 5
             while True:
-                m = server_metrics(url)
+                m = scrape_metrics(url)
                 idle = (m["kilat:num_requests_running"] == 0 and m["kilat:num_requests_waiting"] == 0
                         and m["kilat:kv_cache_usage_perc"] == 0)
                 if idle or time.monotonic() > deadline:
@@ -215,8 +167,7 @@ def main() -> None:
                   f"ITL p50 {stats['itl'].get('p50_ms', 0):.0f} ms, leak-free {idle}, "
                   f"RSS api {stats['rss_mib_after']['api']:.0f} MiB core {stats['rss_mib_after']['engine_core']:.0f}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        server.stop()
         if tmp is not None:
             tmp.cleanup()
     result["passed"] = not failed

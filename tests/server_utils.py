@@ -22,17 +22,23 @@ def free_port() -> int:
 class Server:
     """``python -m kilat.entrypoints.cli serve ARGS`` on a free port; ``url`` is its base URL.
 
+    Waits until ``/health`` answers unless ``wait=False``; ``new_session`` makes it a process-group leader.
+
     Raises:
         RuntimeError: the server did not answer ``/health`` within ``timeout_s``.
     """
 
-    def __init__(self, *args: str, timeout_s: float = 300.0):
+    def __init__(self, *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                 wait: bool = True, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "KILAT_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "KILAT_LOG_LEVEL": "WARNING", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(self.port),
-             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args], env=env)
+             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args], env=env,
+            start_new_session=new_session)
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -79,6 +85,16 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The server's Prometheus samples by name (with labels, e.g. ``request_success_total{...}``)."""
+    values = {}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def pid_alive(pid: int) -> bool:

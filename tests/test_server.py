@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.server_utils import Server
+from tests.server_utils import Server, scrape_metrics
 
 API_KEY = "sk-kilat-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -44,13 +44,7 @@ def post(server: Server, path: str, body: Any, headers: dict[str, str] | None = 
 
 
 def metrics(server: Server) -> dict[str, float]:
-    """The server's Prometheus samples without labels, plus ``request_success_total`` by reason."""
-    values = {}
-    for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return scrape_metrics(server.url)
 
 
 def chat_text(client: openai.OpenAI, content: str, stream: bool, **kwargs: Any) -> tuple[str, str | None]:
@@ -262,6 +256,62 @@ def test_chat_message_forms(client: openai.OpenAI) -> None:
     assert cont.choices[0].message.content.strip().startswith("4")
 
 
+def test_tool_message_and_chat_n(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Jakarta?"},
+                {"role": "assistant", "content": "Let me check."},
+                {"role": "tool", "content": "31 degrees, sunny", "tool_call_id": "call_1"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=10, temperature=0.9,
+                                           seed=5)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    texts = {i: "" for i in range(3)}
+    reasons: dict[int, list[str | None]] = {i: [] for i in range(3)}
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=10,
+                                                temperature=0.9, seed=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index].append(c.finish_reason)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    for i in range(3):
+        assert reasons[i][-1] == whole.choices[i].finish_reason
+        assert all(r is None for r in reasons[i][:-1])
+
+
+def test_streamed_completion_logprobs(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    tokens, offsets, token_logprobs = [], [], []
+    text = ""
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                           stream=True):
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs is not None:
+            tokens += c.logprobs.tokens
+            offsets += c.logprobs.text_offset
+            token_logprobs += c.logprobs.token_logprobs
+    lp = whole.choices[0].logprobs
+    assert text == whole.choices[0].text
+    assert (tokens, offsets) == (lp.tokens, lp.text_offset)
+    assert token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_zero_max_tokens_scores_the_prompt(client: openai.OpenAI, stream: bool) -> None:
+    kwargs = {"model": MODEL, "prompt": "The capital of France is Paris", "max_tokens": 0, "echo": True,
+              "logprobs": 1, "temperature": 0}
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        lp_tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    else:
+        r = client.completions.create(**kwargs)
+        text, lp_tokens = r.choices[0].text, r.choices[0].logprobs.tokens
+        assert r.usage.completion_tokens == 0
+        assert r.choices[0].logprobs.token_logprobs[0] is None
+        assert all(x < 0 for x in r.choices[0].logprobs.token_logprobs[1:])
+    assert text == "The capital of France is Paris"
+    assert "".join(lp_tokens) == text
+
+
 def test_extra_sampling_fields(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, extra_body={
         "min_tokens": 6, "ignore_eos": True, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1,
@@ -298,6 +348,13 @@ LONG_PROMPT = "hello " * 2100
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4096},
      "max_tokens", "2048"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template", "trust-request-chat-template"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, "n", "128"),
+    ("/v1/completions", {"prompt": ["x"] * 100, "n": 50}, "prompt", "4096"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 65}, "stop", "64"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
 ])
 def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
                             needle: str) -> None:
@@ -317,6 +374,7 @@ def test_prompt_too_long_message_gives_both_numbers(server: Server) -> None:
     num_tokens = post(server, "/tokenize", {"prompt": LONG_PROMPT}).json()["count"]
     assert r.status_code == 400
     assert str(num_tokens) in r.json()["error"]["message"] and "2048" in r.json()["error"]["message"]
+    assert_healthy(server)
 
 
 def test_malformed_json_is_400(server: Server) -> None:

@@ -47,6 +47,37 @@ def test_signal_stops_server_and_engine_core(sig: int) -> None:
     client.join(10)
 
 
+def test_sigterm_to_process_group_stops_everything() -> None:
+    """As ``systemctl stop`` or ``kill -TERM -- -PGID`` do: both processes get SIGTERM at once."""
+    server = Server(*SMALL_KV, new_session=True)
+    children = server.children()
+    seen = threading.Event()
+    threading.Thread(target=_stream_forever, args=(server.url, seen), daemon=True).start()
+    assert seen.wait(60), "the stream never started"
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    server.proc.wait(30)
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in children)
+
+
+def test_sigterm_while_loading_stops_engine_core() -> None:
+    server = Server(*SMALL_KV, wait=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            core = server.engine_core_pid()
+            break
+        except RuntimeError:
+            time.sleep(0.05)
+    assert server.stop() is not None
+    deadline = time.monotonic() + 5
+    while pid_alive(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(core)
+
+
 def test_dead_engine_core_is_reported() -> None:
     server = Server(*SMALL_KV)
     try:

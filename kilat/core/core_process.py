@@ -3,15 +3,18 @@
 The frontend (API process) pushes :class:`AddRequests`, :class:`AbortRequests` and :class:`Shutdown`
 messages; the core pushes back one :class:`EngineCoreOutputs` per loop turn that stepped or changed
 state. Messages are pickled. The core never waits on a client: it only blocks on its input socket when it
-has nothing to run, and it exits by itself when the parent process dies (design.md, "process layout").
+has nothing to run, and a watcher thread ends the process within a second of the parent's death, whether
+the core is loading, busy or idle (design.md, "process layout").
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +29,7 @@ from kilat.metrics.stats import EngineStats
 logger = logging.getLogger("kilat")
 
 _PARENT_CHECK_S = 1.0
-"""How often the core checks that the frontend process is still alive (seconds)."""
+"""How often the watcher thread checks that the frontend process is still alive (seconds)."""
 
 
 @dataclass
@@ -57,14 +60,10 @@ class EngineCoreReady:
     Attributes:
         hf_config: the model's transformers config.
         max_model_len: context limit in tokens.
-        num_blocks: KV-cache blocks.
-        block_size: tokens per block.
     """
 
     hf_config: Any
     max_model_len: int
-    num_blocks: int
-    block_size: int
 
 
 @dataclass
@@ -101,45 +100,38 @@ class EngineCoreProc:
         self.input = input_socket
         self.output = output_socket
 
-    def _handle(self, message: Any) -> str | None:
-        """Apply one frontend message; return an error text for a rejected one."""
+    def _handle(self, message: Any, outputs: list[EngineCoreOutput], errors: list[str]) -> None:
+        """Apply one frontend message. A rejected request comes back at once with finish reason
+        ``"abort"`` (and the reason in ``errors``), so that its client is not left waiting."""
         if isinstance(message, AddRequests):
             try:
                 self.core.add_requests(message.requests)
             except ValueError as e:
-                return str(e)
+                errors.append(str(e))
+                outputs.extend(EngineCoreOutput(r.request_id, [], None, finish_reason="abort")
+                               for r in message.requests)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids, message.status)
         elif isinstance(message, Shutdown):
             raise SystemExit(0)
-        return None
 
     def run(self) -> None:
-        """Loop until :class:`Shutdown`, SIGTERM, or the parent's death (checked every second, busy or not)."""
-        parent = multiprocessing.parent_process()
-        next_check = time.monotonic() + _PARENT_CHECK_S
+        """Loop until :class:`Shutdown` or SIGTERM."""
         while True:
-            if time.monotonic() >= next_check:
-                if parent is not None and not parent.is_alive():
-                    logger.warning("engine core: the frontend process is gone; exiting")
-                    return
-                next_check = time.monotonic() + _PARENT_CHECK_S
             if not self.core.has_unfinished_requests() and not self.input.poll(int(_PARENT_CHECK_S * 1000)):
                 continue
-            errors = []
+            errors: list[str] = []
+            outputs: list[EngineCoreOutput] = []
             received = False
             while self.input.poll(0):
                 received = True
-                error = self._handle(pickle.loads(self.input.recv()))
-                if error:
-                    errors.append(error)
-            outputs: list[EngineCoreOutput] = []
+                self._handle(pickle.loads(self.input.recv()), outputs, errors)
             if self.core.has_unfinished_requests():
                 try:
-                    outputs = self.core.step()
+                    outputs += self.core.step()
                 except StepFailed as e:
                     logger.exception("engine core: step failed")
-                    outputs = [EngineCoreOutput(rid, [], None, finish_reason="abort") for rid in e.request_ids]
+                    outputs += [EngineCoreOutput(rid, [], None, finish_reason="abort") for rid in e.request_ids]
                     errors.append(str(e))
             elif not received:
                 continue
@@ -150,15 +142,28 @@ def _exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _watch_parent() -> None:
+    """End this process as soon as the frontend process is gone (it cannot be served any more)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    while parent.is_alive():
+        time.sleep(_PARENT_CHECK_S)
+    logger.warning("engine core: the frontend process is gone; exiting")
+    os._exit(0)
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Process entry point: load the model, send :class:`EngineCoreReady`, and loop.
 
-    SIGINT is ignored (Ctrl-C reaches the whole process group; the frontend decides when to stop) and
-    SIGTERM exits cleanly. A failure while loading is sent to the frontend as an
-    :class:`EngineCoreOutputs` with ``error`` set, and the process exits with status 1.
+    SIGINT is ignored (Ctrl-C reaches the whole process group; the frontend decides when to stop),
+    SIGTERM exits cleanly, and the process ends within a second of the frontend's death. A failure while
+    loading is sent to the frontend as an :class:`EngineCoreOutputs` with ``error`` set, and the process
+    exits with status 1.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit)
+    threading.Thread(target=_watch_parent, name="kilat-parent-watch", daemon=True).start()
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
     input_socket.connect(input_address)
@@ -172,8 +177,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.exception("engine core: loading failed")
             _send(output_socket, EngineCoreOutputs([], EngineStats(), error=f"{type(e).__name__}: {e}"))
             raise SystemExit(1) from e
-        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len, core.runner.num_blocks,
-                                             config.cache.block_size))
+        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len))
         EngineCoreProc(core, input_socket, output_socket).run()
     except SystemExit as e:
         if e.code:

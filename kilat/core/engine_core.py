@@ -29,7 +29,7 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: per prompt position, sent once with the first token, when asked for.
-        metrics: the request's timings, sent once when it finishes.
+        metrics: the request's timings, sent with its first token and when it finishes.
     """
 
     request_id: str
@@ -153,7 +153,7 @@ class EngineCore:
                 num_cached_tokens=request.num_cached_tokens,
                 prompt_logprobs=request.prompt_logprobs if first and
                 request.sampling_params.prompt_logprobs is not None else None,
-                metrics=metrics if rid in finished else None,
+                metrics=metrics if first or rid in finished else None,
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1

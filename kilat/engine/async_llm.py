@@ -8,10 +8,11 @@ in the engine-core process. One background task receives the core's outputs, app
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from kilat.config import EngineArgs
 from kilat.core.request import RequestStatus
@@ -24,6 +25,7 @@ from kilat.outputs import RequestOutput
 from kilat.sampling_params import SamplingParams
 
 logger = logging.getLogger("kilat")
+T = TypeVar("T")
 
 
 class StatLogger(Protocol):
@@ -40,8 +42,8 @@ class RequestStream:
     """The outputs of one request, as an async iterator of :class:`RequestOutput`.
 
     Each item is the request's cumulative state (the same object, updated in place); items that arrive
-    while the consumer is busy are merged into the next one. Leaving the iteration early (a break, an
-    exception, a cancelled task) aborts the request in the engine.
+    while the consumer is busy are merged into the next one. :meth:`close` aborts the request unless it
+    finished; a consumer that stops early must call it (a cancelled iteration calls it itself).
 
     Attributes:
         request_id: the caller-visible id.
@@ -70,6 +72,12 @@ class RequestStream:
         self._dead_error = error
         self._event.set()
 
+    def close(self) -> None:
+        """Abort the request in the engine unless it finished (idempotent); its blocks are freed."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self._done:
@@ -82,8 +90,7 @@ class RequestStream:
                 self._done = self.output.finished
                 yield self.output
         finally:
-            if not self._done:
-                self._engine.abort(self.request_id)
+            self.close()
 
 
 class AsyncLLM:
@@ -104,19 +111,18 @@ class AsyncLLM:
         self.client = EngineCoreClient(self.config)
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
-        self.num_blocks = ready.num_blocks
-        self.hf_config = ready.hf_config
         try:
             self.tokenizer, self.input_processor, self.output_processor = build_processors(
                 self.config.model, ready.hf_config, ready.max_model_len)
         except BaseException:
             self.client.shutdown()
             raise
-        self.stats = EngineStats()
         self.stat_logger = stat_logger
+        # Tokenization and chat templates run here, off the event loop, one at a time (a transformers fast
+        # tokenizer is not safe to call from several threads at once).
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kilat-tokenizer")
         self.dead_error: str | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
         self._output_task: asyncio.Task | None = None
 
     @property
@@ -124,43 +130,41 @@ class AsyncLLM:
         """False once the engine-core process has died."""
         return self.dead_error is None and self.client.process.is_alive()
 
-    def new_request_id(self) -> str:
-        """A fresh, unique request id."""
-        return f"req-{next(self._ids)}"
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` (tokenization, chat templates) in the tokenizer thread, so the event loop stays free."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                partial(fn, *args, **kwargs))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    add_special_tokens: bool = True) -> RequestStream:
-        """Validate a request, queue it in the engine and return its output stream.
+    async def add_requests(self, prompts: list[tuple[str, PromptType]], params: SamplingParams,
+                           add_special_tokens: bool = True) -> list[RequestStream]:
+        """Tokenize and validate every ``(request_id, prompt)`` (in the tokenizer thread), then queue them
+        all; return their output streams.
 
-        Must be called from the event loop that consumes the stream.
+        Must be called from the event loop that consumes the streams.
 
         Raises:
-            ValueError: the prompt or parameters are invalid (nothing is queued).
-            EngineDeadError: the engine-core process is gone.
+            ValueError: a prompt or the parameters are invalid (nothing is queued).
+            EngineDeadError: the engine-core process is gone (nothing is queued).
         """
         if not self.is_running:
             raise EngineDeadError(self.dead_error or "engine core is not running")
-        text, ids, params, core_requests = self.input_processor.process(request_id, prompt, params,
-                                                                        add_special_tokens)
-        self.output_processor.add_request(request_id, text, ids, params, core_requests)
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
-        self.client.add_requests(core_requests)
+        processed = await self.in_tokenizer_thread(
+            lambda: [(rid, *self.input_processor.process(rid, prompt, params, add_special_tokens))
+                     for rid, prompt in prompts])
+        streams: list[RequestStream] = []
+        try:
+            for rid, text, ids, resolved, core_requests in processed:
+                self.output_processor.add_request(rid, text, ids, resolved, core_requests)
+                streams.append(RequestStream(rid, self))
+                self._streams[rid] = streams[-1]
+                self.client.add_requests(core_requests)
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
-        return stream
-
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes.
-
-        Raises:
-            ValueError: the prompt or parameters are invalid.
-            EngineDeadError: the engine-core process died.
-        """
-        stream = self.add_request(request_id or self.new_request_id(), prompt, params, add_special_tokens)
-        async for output in stream:
-            yield output
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its KV blocks are freed in the core."""
@@ -177,7 +181,6 @@ class AsyncLLM:
         try:
             while True:
                 message = await self.client.get_outputs()
-                self.stats = message.stats
                 outputs, to_abort = self.output_processor.process_outputs(message.outputs)
                 if to_abort:
                     self.client.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
@@ -204,11 +207,8 @@ class AsyncLLM:
             self._streams.clear()
 
     def shutdown(self) -> None:
-        """Stop the output task and the engine-core process. Idempotent."""
+        """Stop the output task, the tokenizer thread and the engine-core process. Idempotent."""
         if self._output_task is not None:
             self._output_task.cancel()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()
-
-    def get_tokenizer(self) -> Any:
-        """The model's transformers tokenizer."""
-        return self.tokenizer

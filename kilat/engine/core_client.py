@@ -2,8 +2,8 @@
 
 The core runs :func:`kilat.core.core_process.run_engine_core` in a ``spawn``-ed process (no state is
 inherited from the API process). Two ZMQ PUSH/PULL pairs over IPC sockets in a private temporary
-directory carry pickled messages; sends never block (no high-water mark), so the API process never
-waits on the model.
+directory carry pickled messages. Sends never block: there is no high-water mark, and a send that finds no
+peer (the core has exited) fails at once instead of waiting, so the API process never waits on the model.
 """
 
 from __future__ import annotations
@@ -83,17 +83,31 @@ class EngineCoreClient:
         raise EngineDeadError(f"engine core did not load the model within {timeout_s:.0f} s")
 
     def _send(self, message: Any) -> None:
-        self._input.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        """Push a message without ever blocking.
+
+        Raises:
+            EngineDeadError: the core is not connected (it has exited).
+        """
+        try:
+            self._input.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # zmq.Again: no peer; ENOTSOCK: already shut down
+            raise EngineDeadError(f"engine core is not reachable ({e})") from e
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Queue one user request's core requests."""
+        """Queue one user request's core requests.
+
+        Raises:
+            EngineDeadError: the core has exited.
+        """
         self._send(AddRequests(requests))
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Finish core requests (``abort`` by default); their blocks are freed."""
+        """Finish core requests (``abort`` by default); their blocks are freed. Nothing to do, and no error,
+        when the core has exited."""
         if request_ids:
-            self._send(AbortRequests(request_ids, status))
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequests(request_ids, status))
 
     async def get_outputs(self, poll_s: float = 1.0) -> EngineCoreOutputs:
         """Wait for the next :class:`EngineCoreOutputs`.
@@ -112,7 +126,7 @@ class EngineCoreClient:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit, then terminate (and at last kill) it; close the sockets. Idempotent."""
         if self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(EngineDeadError):
                 self._send(Shutdown())
             self.process.join(timeout_s)
         if self.process.is_alive():

@@ -150,8 +150,13 @@ class TextDelta:
 
 
 def _partial_stop_len(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (0 if none)."""
-    for length in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:length]):
-            return length
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (0 if none).
+
+    Only positions holding ``stop[0]`` can start such a suffix, so the scan jumps between them.
+    """
+    start = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+    while start != -1:
+        if stop.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(stop[0], start + 1)
     return 0

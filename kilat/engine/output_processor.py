@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kilat.core.engine_core import EngineCoreOutput
@@ -22,10 +22,11 @@ class _RequestState:
 
 
 def _update_metrics(output: RequestOutput, co: EngineCoreOutput, now: float, finished: bool) -> None:
-    """Take the core's timings when it sends them (at finish); until then, and for a request ended by a stop
-    string here, time tokens as they arrive (``now``, seconds since the epoch)."""
+    """Take (a copy of) the core's timings when it sends them, with the first token and at finish; in
+    between, and for a request ended by a stop string here, time tokens as they arrive (``now``, seconds
+    since the epoch)."""
     if co.metrics is not None:
-        output.metrics = co.metrics
+        output.metrics = replace(co.metrics)
         return
     metrics = output.metrics
     assert metrics is not None

@@ -109,6 +109,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
     config = ServerConfig(host=ns.host, port=ns.port, served_model_name=ns.served_model_name or [],
                           api_key=ns.api_key, max_request_body_bytes=ns.max_request_body_bytes,
+                          trust_request_chat_template=ns.trust_request_chat_template,
                           uvicorn_log_level=ns.uvicorn_log_level,
                           disable_uvicorn_access_log=ns.disable_uvicorn_access_log)
     run_server(engine_args_from(ns), config)
@@ -120,9 +121,12 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model names clients may use (default: the model path, or SmolLM2-135M-Instruct)")
     parser.add_argument("--api-key", default=os.environ.get("KILAT_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILAT_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                             "(default: $KILAT_API_KEY)")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                         help="larger request bodies get HTTP 413")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat_template in chat requests (it runs on the server)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, EngineDeadError) as e:
         print(f"kilat: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from kilat.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kilat.entrypoints.openai.serving import APIError, bad_request
+from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kilat.metrics.prometheus import PrometheusStatLogger
@@ -50,12 +51,13 @@ class ServerConfig:
 
     Attributes:
         host: address to bind; loopback unless told otherwise.
-        port: TCP port, 1-65535.
+        port: TCP port, 0-65535 (0: any free port).
         served_model_name: names clients may pass as ``model``; default: the model path or
             ``"SmolLM2-135M-Instruct"`` for the embedded model.
         api_key: when set, ``Authorization: Bearer <api_key>`` is required on ``/v1/*``, ``/tokenize`` and
             ``/detokenize``.
         max_request_body_bytes: larger request bodies get 413 (bytes).
+        trust_request_chat_template: accept a ``chat_template`` in chat requests (it runs on the server).
         uvicorn_log_level: uvicorn's log level.
         disable_uvicorn_access_log: do not log one line per HTTP request.
 
@@ -68,6 +70,7 @@ class ServerConfig:
     served_model_name: list[str] = field(default_factory=list)
     api_key: str | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
+    trust_request_chat_template: bool = False
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
 
@@ -148,27 +151,34 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-class _EventStream(StreamingResponse):
+class _EventStreamResponse(StreamingResponse):
     """Server-Sent Events that stop, and abort their requests, as soon as the client disconnects."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, stream: EventStream):
+        super().__init__(stream.events, headers={"Cache-Control": "no-cache"})
+        self.stream = stream
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream() -> None:
-            with contextlib.suppress(OSError):
+        async def send_events() -> None:
+            with contextlib.suppress(OSError):  # the client went away mid-send
                 await self.stream_response(send)
 
-        tasks = [asyncio.create_task(stream()), asyncio.create_task(_wait_for_disconnect(receive))]
+        tasks = [asyncio.create_task(send_events()), asyncio.create_task(_wait_for_disconnect(receive))]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, Exception):
+                    logger.error("event stream failed", exc_info=result)
+            self.stream.close()
+            await self.stream.events.aclose()  # type: ignore[attr-defined]
 
 
-async def _respond(raw: Request, work: Awaitable[dict[str, Any] | AsyncIterator[str]]) -> Response:
+async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) -> Response:
     """Run a handler while watching for the client's disconnect, which cancels it (and so aborts its
     requests); turn its result into JSON or an event stream."""
     task = asyncio.ensure_future(work)
@@ -183,16 +193,16 @@ async def _respond(raw: Request, work: Awaitable[dict[str, Any] | AsyncIterator[
     if task not in done:
         return Response(status_code=499)  # the client is gone; nobody reads this
     result = task.result()
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return _EventStream(result, headers={"Cache-Control": "no-cache"})
+    if isinstance(result, EventStream):
+        return _EventStreamResponse(result)
+    return JSONResponse(result)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
     """The FastAPI application serving ``engine``; its shutdown stops the engine-core process."""
     names = config.served_model_name or [default_model_name(engine.config.model.model)]
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -255,16 +265,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
         chat.check_model(request.model)
-        processor = engine.input_processor
+        to_ids = engine.input_processor.to_token_ids
         try:
             if (request.prompt is None) == (request.messages is None):
                 raise ValueError("prompt or messages must be given, not both")
             if request.messages is not None:
-                text = processor.apply_chat_template([m.to_template_dict() for m in request.messages],
-                                                     request.add_generation_prompt)
-                _, ids = processor.to_token_ids(text, add_special_tokens=False)
+                _, ids = await engine.in_tokenizer_thread(to_ids, await chat.render(request), False)
             else:
-                _, ids = processor.to_token_ids(request.prompt or "", request.add_special_tokens)
+                _, ids = await engine.in_tokenizer_thread(to_ids, request.prompt, request.add_special_tokens)
         except ValueError as e:
             raise bad_request(e, set(TokenizeRequest.model_fields)) from e
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -281,6 +289,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     return app
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
     """Start the engine-core process, then serve HTTP until SIGINT or SIGTERM; both processes exit.
 
@@ -289,6 +301,9 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
         kilat.engine.core_client.EngineDeadError: the model failed to load.
     """
     stat_logger = PrometheusStatLogger()
+    # SIGTERM must unwind (and so stop the engine core), not kill outright: while the model loads, and when
+    # uvicorn re-raises it after its graceful shutdown.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = AsyncLLM(engine_args, stat_logger)
     try:
         app = build_app(engine, config, stat_logger)

@@ -11,24 +11,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kilat.engine.input_processor import MAX_LOGPROBS
 from kilat.sampling_params import SamplingParams
 
-_MAX_TOP_LOGPROBS = 20
-
-
-class ErrorInfo(BaseModel):
-    """OpenAI's error object."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """``{"error": {...}}``, the body of every non-2xx response."""
-
-    error: ErrorInfo
+MAX_N = 128
+"""Most choices per prompt (OpenAI's limit)."""
+MAX_CHOICES = 4096
+"""Most choices in one request (prompts × ``n``), so that one request cannot flood the engine."""
+MAX_STOP_STRINGS = 64
+"""Most stop strings per request."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string, in characters (each streamed delta scans for partial stop strings)."""
 
 
 class StreamOptions(BaseModel):
@@ -71,6 +64,14 @@ class _SamplingRequest(BaseModel):
         Raises:
             ValueError: a value out of range, naming the field.
         """
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                             f"characters")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -92,7 +93,8 @@ class CompletionRequest(_SamplingRequest):
 
     ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists; each prompt
     gets ``n`` choices, numbered ``prompt_index * n + i``. ``logprobs`` (0-20) asks for that many top
-    log-probabilities per token; with ``echo`` the prompt's tokens come first.
+    log-probabilities per token; with ``echo`` the prompt's tokens come first. ``echo`` with
+    ``max_tokens=0`` scores the prompt without generating (the engine computes one token, which is dropped).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -106,7 +108,7 @@ class CompletionRequest(_SamplingRequest):
         """The prompts as a list.
 
         Raises:
-            ValueError: ``prompt`` is an empty list.
+            ValueError: ``prompt`` is an empty list, or prompts × ``n`` exceeds :data:`MAX_CHOICES`.
         """
         prompt = self.prompt
         if isinstance(prompt, str):
@@ -115,7 +117,14 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt holds {len(prompt)} prompts × n={self.n} choices, more than {MAX_CHOICES}")
         return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: return the prompt (and its logprobs) without generated text."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
         """Validated :class:`SamplingParams` for each prompt.
@@ -127,9 +136,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) when given, got {self.best_of}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self._sampling_params(self.max_tokens, self.logprobs,
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        return self._sampling_params(1 if self.scores_only else self.max_tokens, self.logprobs,
                                      self.logprobs if self.echo and self.logprobs is not None else None)
 
 
@@ -189,8 +198,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported")
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -4,11 +4,13 @@ deltas, usage, errors, and Server-Sent Events (https://platform.openai.com/docs/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from kilat.engine.async_llm import AsyncLLM, RequestStream
@@ -66,10 +68,11 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI ``usage`` over every prompt and every choice (tokens)."""
+def usage(outputs: list[RequestOutput], count_completions: bool = True) -> dict[str, Any]:
+    """OpenAI ``usage`` over every prompt and every choice (tokens); ``count_completions=False`` when the
+    generated tokens are not returned (prompt scoring)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if count_completions else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
@@ -110,6 +113,7 @@ class OpenAIServing:
     """
 
     prefix = "cmpl"
+    """Response id prefix."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
         self.engine = engine
@@ -132,31 +136,27 @@ class OpenAIServing:
         """A response id such as ``cmpl-<32 hex digits>``."""
         return f"{self.prefix}-{uuid.uuid4().hex}"
 
-    def start(self, response_id: str, prompts: list[PromptType], params: SamplingParams,
-              add_special_tokens: bool, fields: set[str]) -> list[RequestStream]:
-        """Queue one engine request per prompt; all or none.
+    async def start(self, response_id: str, prompts: list[PromptType], params: SamplingParams,
+                    add_special_tokens: bool, fields: set[str]) -> list[RequestStream]:
+        """Queue one engine request per prompt, all validated before any is queued.
 
         Raises:
             APIError: 400 for an invalid prompt or parameter (the message names it and its limit),
                 503 when the engine is not running.
         """
-        streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(self.engine.add_request(f"{response_id}-{i}", prompt, params, add_special_tokens))
-        except (ValueError, EngineDeadError) as e:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, f"the engine is not running: {e}", "server_error") from e
+            return await self.engine.add_requests([(f"{response_id}-{i}", p) for i, p in enumerate(prompts)],
+                                                  params, add_special_tokens)
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not running: {e}", "server_error") from e
+        except ValueError as e:
             raise bad_request(e, fields) from e
-        return streams
 
     @staticmethod
     async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield ``(prompt index, latest output)`` whenever any stream updates, until all finish.
 
-        Leaving early aborts the requests still running.
+        Closing it early (``aclose``, or a cancelled consumer) aborts the requests still running.
 
         Raises:
             APIError: 500 when the engine failed a request, 503 when it died.
@@ -191,13 +191,33 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
+            for stream in streams:
+                stream.close()
 
     async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
         """Wait until every request finishes; return their final outputs in prompt order."""
         finals: dict[int, RequestOutput] = {}
-        async for index, output in self.merge(streams):
-            finals[index] = output
+        async with contextlib.aclosing(self.merge(streams)) as updates:
+            async for index, output in updates:
+                finals[index] = output
         return [finals[i] for i in range(len(streams))]
+
+
+@dataclass
+class EventStream:
+    """A streamed response: its Server-Sent Event lines and the engine requests behind them.
+
+    The server calls :meth:`close` when the response ends for any reason (done, client gone, error), which
+    aborts whatever is still running, whether or not ``events`` was ever iterated.
+    """
+
+    events: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    def close(self) -> None:
+        """Abort the requests that did not finish."""
+        for stream in self.streams:
+            stream.close()
 
 
 def created() -> int:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kilat.engine.async_llm import RequestStream
-from kilat.entrypoints.openai.protocol import ChatCompletionRequest
+from kilat.engine.async_llm import AsyncLLM, RequestStream
+from kilat.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from kilat.entrypoints.openai.serving import (
     APIError,
     ChoiceStream,
+    EventStream,
     OpenAIServing,
     bad_request,
     clamp_logprob,
@@ -29,9 +31,19 @@ def _token_logprob(lp: Logprob) -> dict[str, Any]:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Renders the conversation with the model's chat template and builds chat responses."""
+    """Renders the conversation with the model's chat template and builds chat responses.
+
+    Args:
+        engine: the running engine.
+        served_model_names: names clients may use in ``model``.
+        trust_request_chat_template: accept a ``chat_template`` in the request body (it runs on the server).
+    """
 
     prefix = "chatcmpl"
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False):
+        super().__init__(engine, served_model_names)
+        self.trust_request_chat_template = trust_request_chat_template
 
     @staticmethod
     def _logprobs(completion: CompletionOutput, tokens: range, num_top: int) -> dict[str, Any] | None:
@@ -47,19 +59,24 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item)
         return {"content": content}
 
-    def _prompt(self, request: ChatCompletionRequest) -> str:
-        """The rendered conversation.
+    async def render(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The conversation rendered by the model's chat template (in the tokenizer thread).
 
         Raises:
-            ValueError: malformed messages or a failing template.
+            ValueError: malformed messages, a failing template, or a request template that is not trusted.
         """
-        messages = [m.to_template_dict() for m in request.messages]
-        return self.engine.input_processor.apply_chat_template(
-            messages, request.add_generation_prompt, request.continue_final_message, request.chat_template,
-            **(request.chat_template_kwargs or {}))
+        template = getattr(request, "chat_template", None)
+        if template is not None and not self.trust_request_chat_template:
+            raise ValueError("chat_template in the request is not allowed; start the server with "
+                             "--trust-request-chat-template to allow it")
+        messages = [m.to_template_dict() for m in request.messages or []]
+        return await self.engine.in_tokenizer_thread(
+            self.engine.input_processor.apply_chat_template, messages, request.add_generation_prompt,
+            getattr(request, "continue_final_message", False), template,
+            **(getattr(request, "chat_template_kwargs", None) or {}))
 
-    async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        """A whole response, or an async iterator of SSE lines when ``stream``.
+    async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
+        """A whole response, or an :class:`EventStream` when ``stream``.
 
         Raises:
             APIError: 400 for invalid input, 404 for an unknown model, 500/503 for engine failures.
@@ -67,13 +84,13 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         try:
             params = request.to_sampling_params()
-            prompt = self._prompt(request)
+            prompt = await self.render(request)
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
-        streams = self.start(response_id, [prompt], params, False, _FIELDS)
+        streams = await self.start(response_id, [prompt], params, False, _FIELDS)
         if request.stream:
-            return self._stream(request, model, response_id, streams[0], params)
+            return EventStream(self._stream(request, model, response_id, streams[0], params), streams)
         (output,) = await self.final_outputs(streams)
         num_top = request.top_logprobs or 0
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -97,20 +114,21 @@ class OpenAIServingChat(OpenAIServing):
         states = [ChoiceStream(params.stop) for _ in range(params.n)]
         final: RequestOutput | None = None
         try:
-            async for _, output in self.merge([stream]):
-                final = output
-                for c in output.outputs:
-                    state = states[c.index]
-                    step = state.next(c)
-                    if step is None:
-                        continue
-                    text, tokens = step
-                    done = state.finished
-                    yield sse({**base, "choices": [{
-                        "index": c.index, "delta": {"content": text} if text or not done else {},
-                        "logprobs": self._logprobs(c, tokens, num_top),
-                        "finish_reason": c.finish_reason if done else None,
-                        "stop_reason": c.stop_reason if done else None}]})
+            async with contextlib.aclosing(self.merge([stream])) as updates:
+                async for _, output in updates:
+                    final = output
+                    for c in output.outputs:
+                        state = states[c.index]
+                        step = state.next(c)
+                        if step is None:
+                            continue
+                        text, tokens = step
+                        done = state.finished
+                        yield sse({**base, "choices": [{
+                            "index": c.index, "delta": {"content": text} if text or not done else {},
+                            "logprobs": self._logprobs(c, tokens, num_top),
+                            "finish_reason": c.finish_reason if done else None,
+                            "stop_reason": c.stop_reason if done else None}]})
         except APIError as e:
             yield sse(e.body())
             yield sse("[DONE]")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kilat.engine.async_llm import RequestStream
 from kilat.entrypoints.openai.protocol import CompletionRequest
 from kilat.entrypoints.openai.serving import (
     APIError,
     ChoiceStream,
+    EventStream,
     OpenAIServing,
     bad_request,
     clamp_logprob,
@@ -25,17 +28,15 @@ _FIELDS = set(CompletionRequest.model_fields)
 class OpenAIServingCompletion(OpenAIServing):
     """Builds completion responses, whole or streamed."""
 
-    prefix = "cmpl"
-
     def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None], num_top: int,
                   text_offset: int) -> dict[str, Any]:
         """OpenAI's completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
 
         ``entries[i]`` holds the chosen token ``token_ids[i]`` and the top tokens by rank (``None`` for a
-        prompt's first token); offsets count characters from ``text_offset``.
+        prompt's first token); offsets count characters of the choice's text, starting at ``text_offset``.
         """
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries, strict=False):
+        for token_id, entry in zip(token_ids, entries, strict=True):
             chosen = entry.get(token_id) if entry is not None else None
             text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None \
                 else self.engine.tokenizer.decode([token_id])
@@ -55,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return output.prompt if output.prompt is not None else self.engine.tokenizer.decode(output.prompt_token_ids)
 
     def _choice_logprobs(self, request: CompletionRequest, output: RequestOutput, index: int,
-                         tokens: range, echo: bool) -> dict[str, Any] | None:
+                         tokens: range, echo: bool, text_offset: int) -> dict[str, Any] | None:
         """Logprobs of a choice's tokens in ``tokens``, preceded by the prompt's when ``echo``."""
         if request.logprobs is None:
             return None
@@ -63,13 +64,12 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = completion.token_ids[tokens.start:tokens.stop]
         entries: list[PositionLogprobs | None] = list((completion.logprobs or [])[tokens.start:tokens.stop])
         if echo:
-            prompt_entries = [None] + list((output.prompt_logprobs or [None])[1:])
             ids = output.prompt_token_ids + ids
-            entries = prompt_entries + entries
-        return self._logprobs(ids, entries, request.logprobs, 0)
+            entries = [None, *(output.prompt_logprobs or [None] * len(output.prompt_token_ids))[1:], *entries]
+        return self._logprobs(ids, entries, request.logprobs, text_offset)
 
-    async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        """A whole response, or an async iterator of SSE lines when ``stream``.
+    async def create(self, request: CompletionRequest) -> dict[str, Any] | EventStream:
+        """A whole response, or an :class:`EventStream` when ``stream``.
 
         Raises:
             APIError: 400 for invalid input, 404 for an unknown model, 500/503 for engine failures.
@@ -81,50 +81,60 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
-        streams = self.start(response_id, prompts, params, True, _FIELDS)
+        streams = await self.start(response_id, prompts, params, True, _FIELDS)
         if request.stream:
-            return self._stream(request, model, response_id, streams, params)
+            return EventStream(self._stream(request, model, response_id, streams, params), streams)
         outputs = await self.final_outputs(streams)
         choices = []
         for p, output in enumerate(outputs):
             prefix = self._echo_prefix(request, output)
             for c in output.outputs:
-                logprobs = self._choice_logprobs(request, output, c.index, range(len(c.token_ids)), request.echo)
-                choices.append({"index": p * params.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                generated = range(0 if request.scores_only else len(c.token_ids))
+                choices.append({
+                    "index": p * params.n + c.index,
+                    "text": prefix + ("" if request.scores_only else c.text),
+                    "logprobs": self._choice_logprobs(request, output, c.index, generated, request.echo, 0),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "text_completion", "created": created(), "model": model,
-                "choices": choices, "usage": usage(outputs)}
+                "choices": choices, "usage": usage(outputs, not request.scores_only)}
 
-    async def _stream(self, request: CompletionRequest, model: str, response_id: str, streams: list[Any],
-                      params: SamplingParams) -> AsyncIterator[str]:
+    async def _stream(self, request: CompletionRequest, model: str, response_id: str,
+                      streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
         """SSE chunks: per choice, text deltas, then one chunk with its finish reason; then usage, [DONE]."""
-        base = {"id": response_id, "object": "text_completion", "created": created(), "model": model}
+        base: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created(),
+                                "model": model}
         if request.include_usage:
             base["usage"] = None
         n = params.n
         states = [[ChoiceStream(params.stop) for _ in range(n)] for _ in streams]
+        offsets = [[0] * n for _ in streams]
         finals: dict[int, RequestOutput] = {}
         try:
-            async for p, output in self.merge(streams):
-                finals[p] = output
-                for c in output.outputs:
-                    state = states[p][c.index]
-                    first = state.num_sent_tokens == 0 and not state.finished
-                    step = state.next(c)
-                    if step is None:
-                        continue
-                    text, tokens = step
-                    echo = request.echo and first
-                    prefix = self._echo_prefix(request, output) if echo else ""
-                    choice = {"index": p * n + c.index, "text": prefix + text,
-                              "logprobs": self._choice_logprobs(request, output, c.index, tokens, echo),
-                              "finish_reason": c.finish_reason if state.finished else None,
-                              "stop_reason": c.stop_reason if state.finished else None}
-                    yield sse({**base, "choices": [choice]})
+            async with contextlib.aclosing(self.merge(streams)) as updates:
+                async for p, output in updates:
+                    finals[p] = output
+                    for c in output.outputs:
+                        state = states[p][c.index]
+                        echo = request.echo and state.num_sent_tokens == 0
+                        step = state.next(c)
+                        if step is None:
+                            continue
+                        text, tokens = step
+                        if request.scores_only:
+                            text, tokens = "", range(0)
+                        prefix = self._echo_prefix(request, output) if echo else ""
+                        logprobs = self._choice_logprobs(request, output, c.index, tokens, echo, offsets[p][c.index])
+                        if logprobs is not None and logprobs["tokens"]:
+                            offsets[p][c.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                        yield sse({**base, "choices": [{
+                            "index": p * n + c.index, "text": prefix + text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason if state.finished else None,
+                            "stop_reason": c.stop_reason if state.finished else None}]})
         except APIError as e:
             yield sse(e.body())
             yield sse("[DONE]")
             return
         if request.include_usage:
-            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
+            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)],
+                                                             not request.scores_only)})
         yield sse("[DONE]")
