@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import random
 from typing import Any
 
 import pytest
@@ -209,3 +210,15 @@ def test_stop_terminated_drops_stop_token_text(tokenizer: PreTrainedTokenizerBas
     unterminated = detokenizer(tokenizer, stop_token_ids=[ids[-1]])
     stream(unterminated, ids)
     assert unterminated.output_text == "Done."
+
+
+def test_text_delta_holds_back_exactly_the_longest_partial_stop() -> None:
+    """Against brute force on random texts: the held-back tail is the longest suffix of the text that is a
+    proper prefix of some stop string."""
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 10)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        held = max((k for stop in stops for k in range(1, min(len(stop), len(text) + 1))
+                    if text.endswith(stop[:k])), default=0)
+        assert TextDelta(stops).next(text, finished=False) == text[:len(text) - held]
