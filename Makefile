@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	kilat serve
+	kilat serve $(ARGS)
 
 chat: $(STAMP)
 	kilat chat

@@ -117,10 +117,15 @@ def test_abort_frees_blocks(llm):
     ([10**7], SamplingParams(), "prompt_token_ids"),
     ("hi", SamplingParams(logprobs=50), "logprobs"),
     ("a" * 256 * 81 + "a", SamplingParams(), "characters"),
+    ("Hi \ud800 there", SamplingParams(), "surrogate"),
+    ("hi", SamplingParams(top_k=10**6, top_p=1e-300, temperature=1.0, max_tokens=2), None),
 ])
 def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, field):
-    with pytest.raises(ValueError, match=field):
-        llm.generate([prompt], params, use_tqdm=False)
+    if field is None:  # extreme but valid values: served
+        assert len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    else:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([prompt], params, use_tqdm=False)
     assert_all_free(llm)
     out = llm.generate(["still fine"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

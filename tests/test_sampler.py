@@ -87,6 +87,21 @@ def test_tiny_top_p_keeps_only_top_token(sampler: Sampler) -> None:
     assert sampler(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
 
 
+def test_underflowing_top_p_keeps_top_token(sampler: Sampler) -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(4, 100)
+    requests = [make_request(top_p=1e-300, temperature=1.0, seed=i) for i in range(4)]  # 0.0 in float32
+    assert sampler(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_beyond_vocab_is_no_truncation(sampler: Sampler) -> None:
+    """top_k >= vocab keeps every token: the same samples as top_k disabled, with the same seeds."""
+    logits = LOGITS.unsqueeze(0)
+    wide = sample_many(sampler, logits, 400, top_k=10**6)
+    assert wide == sample_many(sampler, logits, 400, top_k=0)
+    assert set(wide) == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize("params", [{"top_k": 2}, {"top_p": 0.7}, {"min_p": 0.35},
                                     {"top_k": 3, "top_p": 0.7}, {"top_k": 2, "min_p": 0.1}])
 def test_truncation_keeps_expected_tokens(sampler: Sampler, params: dict[str, Any]) -> None:

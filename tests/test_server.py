@@ -229,6 +229,23 @@ def test_completion_logprobs_with_echo(client: openai.OpenAI) -> None:
         assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)
 
 
+def test_logprob_bytes_rebuild_multibyte_text(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, logprobs=True, messages=[
+        {"role": "user", "content": "Reply with three emoji that describe happiness."}])
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert any(ord(ch) > 0xFFFF for ch in text)
+    assert any("\ufffd" in c.token for c in content)  # some tokens hold part of an emoji ...
+    # ... and their bytes rebuild it (less a character cut by max_tokens, which the text leaves out too)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", errors="ignore") == text
+    prompt = "月亮 😀 bulan"
+    e = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=0, extra_body={"skip_special_tokens": True})
+    offsets = e.choices[0].logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] < len(e.choices[0].text)
+    assert offsets[:3] == [0, 0, 1]  # 月 spans two tokens; 亮 starts at character 1
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                        temperature=0, logprobs=True, top_logprobs=3)
@@ -317,6 +334,25 @@ def test_extra_sampling_fields(client: openai.OpenAI) -> None:
         "min_tokens": 6, "ignore_eos": True, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1,
         "skip_special_tokens": True, "include_stop_str_in_output": False, "stop_token_ids": [2]})
     assert r.usage.completion_tokens == 6
+    extreme = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, top_p=1e-300,
+                                        extra_body={"top_k": 10**6, "ignore_eos": True})
+    assert extreme.usage.completion_tokens == 3
+
+
+def test_assistant_tool_call_without_content(client: openai.OpenAI) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Bogor"}'}}
+    r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Weather in Bogor?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auth_scheme_is_case_insensitive_and_health_answers_head(server: Server) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
+             headers={"Authorization": f"bearer {API_KEY}"})
+    assert r.status_code == 200
+    assert requests.head(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_tokenize_detokenize(server: Server) -> None:
@@ -355,6 +391,10 @@ LONG_PROMPT = "hello " * 2100
     ("/v1/completions", {"prompt": ["x"] * 100, "n": 50}, "prompt", "4096"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 65}, "stop", "64"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "Hi \ud800 there"}, "prompt", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "2048"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt", "prompt"),
 ])
 def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
                             needle: str) -> None:
@@ -380,7 +420,8 @@ def test_prompt_too_long_message_gives_both_numbers(server: Server) -> None:
 def test_malformed_json_is_400(server: Server) -> None:
     r = requests.post(server.url + "/v1/completions", data=b'{"prompt": "x",', timeout=10,
                       headers={**AUTH, "Content-Type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] is None and "invalid JSON" in r.json()["error"]["message"]
     assert_healthy(server)
 
 

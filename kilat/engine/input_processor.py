@@ -52,9 +52,9 @@ class InputProcessor:
         ``add_special_tokens=False`` for text that already carries them (a rendered chat template).
 
         Raises:
-            ValueError: the prompt is empty, of an unknown type, longer than ``max_model_len`` tokens could
-                hold (checked on its length in characters before tokenizing), or holds ids outside the
-                vocabulary.
+            ValueError: the prompt is empty, of an unknown type, not encodable as UTF-8 (a lone surrogate),
+                longer than ``max_model_len`` tokens could hold (checked on its length in characters before
+                tokenizing), or holds ids outside the vocabulary.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -67,6 +67,10 @@ class InputProcessor:
             if len(prompt) > self.max_prompt_chars:
                 raise ValueError(f"prompt is {len(prompt)} characters, more than max_model_len "
                                  f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character {e.start}") from e
             text: str | None = prompt
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids if prompt else []
         elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):

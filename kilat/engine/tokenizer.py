@@ -45,3 +45,49 @@ def _tokenizer_dir(source: ModelSource) -> str:
     if any(os.path.isfile(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return directory
     raise ValueError(f"no tokenizer for dummy model {source.path!r}; pass a tokenizer directory or .gguf file")
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: byte value -> the printable character that stands for it in token
+    strings (Radford et al., 2019; used by GPT-2, Llama-3, Qwen2 and SmolLM2 tokenizers)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet
+
+
+class TokenBytes:
+    """The raw bytes of single tokens, as OpenAI's logprob ``bytes`` field reports them: a token that holds
+    part of a multi-byte UTF-8 character gives those bytes, where its decoded text would be U+FFFD.
+
+    Byte-level BPE tokenizers (a fast tokenizer whose decoder is ``ByteLevel``) map each character of the
+    token string back to its byte; SentencePiece byte-fallback tokens ``<0xNN>`` give byte ``NN`` and ``▁`` a space;
+    added tokens give their text in UTF-8.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_of = {ch: b for b, ch in _byte_level_alphabet().items()} if "ByteLevel" in repr(decoder) \
+            else None
+        self._added = set(tokenizer.get_added_vocab())
+
+    def __call__(self, token_id: int) -> bytes:
+        """The bytes of ``token_id`` (empty for an id the tokenizer does not know)."""
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            return b""
+        if token in self._added:
+            return token.encode("utf-8")
+        if self._byte_of is not None and all(ch in self._byte_of for ch in token):
+            return bytes(self._byte_of[ch] for ch in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("\u2581", " ").encode("utf-8")

@@ -242,7 +242,9 @@ def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     vocab = logits.shape[1]
     device = logits.device
     ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
-    width = max(k for k, p in zip(ks, top_p, strict=True) if k < vocab or p < 1.0)
+    width = max((k for k, p in zip(ks, top_p, strict=True) if k < vocab or p < 1.0), default=0)
+    if width == 0:  # every k covers the whole vocabulary and no top-p: nothing to cut
+        return logits
     ordered = logits.topk(width, dim=-1).values
     keep = torch.tensor(ks, device=device).clamp_(max=width)
     ordered = ordered.masked_fill(torch.arange(width, device=device) >= keep.unsqueeze(1), float("-inf"))
@@ -250,7 +252,8 @@ def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
         probs = torch.softmax(ordered, dim=-1)
         mass_above = probs.cumsum(dim=-1) - probs
         p = torch.tensor([v if v < 1.0 else float("inf") for v in top_p], dtype=probs.dtype, device=device)
-        keep = torch.minimum(keep, (mass_above < p.unsqueeze(1)).sum(dim=-1))
+        # at least the top token, even when p underflows to 0 in float32
+        keep = torch.minimum(keep, (mass_above < p.unsqueeze(1)).sum(dim=-1).clamp_(min=1))
     cutoff = ordered.gather(1, keep.unsqueeze(1) - 1)
     untouched = torch.tensor([k == vocab and p >= 1.0 for k, p in zip(ks, top_p, strict=True)], device=device)
     cutoff = cutoff.masked_fill(untouched.unsqueeze(1), float("-inf"))

@@ -104,16 +104,21 @@ class _GuardMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
+
+    def _authorized(self, header: bytes) -> bool:
+        """``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235)."""
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith(_PROTECTED_PREFIXES) and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES) and \
+                not self._authorized(headers.get(b"authorization", b"")):
             await _send_error(send, APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                                              "authentication_error", code="invalid_api_key"))
             return
@@ -221,6 +226,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
         problems = []
         param = None
         for err in e.errors():
+            if err.get("type") == "json_invalid":
+                problems.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+                continue
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
             param = param or (loc[0] if loc else None)
             problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
@@ -235,7 +243,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
         logger.exception("unhandled error")
         return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_running else 503)
 
@@ -268,7 +276,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
         to_ids = engine.input_processor.to_token_ids
         try:
             if (request.prompt is None) == (request.messages is None):
-                raise ValueError("prompt or messages must be given, not both")
+                raise ValueError("prompt or messages: exactly one must be given")
             if request.messages is not None:
                 _, ids = await engine.in_tokenizer_thread(to_ids, await chat.render(request), False)
             else:

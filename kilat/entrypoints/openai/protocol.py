@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kilat.engine.input_processor import MAX_LOGPROBS
 from kilat.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -97,7 +97,7 @@ class CompletionRequest(_SamplingRequest):
     ``max_tokens=0`` scores the prompt without generating (the engine computes one token, which is dropped).
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -152,12 +152,14 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it, text parts joined by newlines.
+        """The message as the chat template expects it: text parts joined by newlines, and a missing
+        content (an assistant message with only ``tool_calls``) as an empty string.
 
         Raises:
             ValueError: a content part that is not text.
         """
         message = self.model_dump(exclude_none=True)
+        message.setdefault("content", "")
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
@@ -224,4 +226,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]

@@ -17,6 +17,7 @@ from kilat.engine.async_llm import AsyncLLM, RequestStream
 from kilat.engine.core_client import EngineDeadError
 from kilat.engine.detokenizer import TextDelta
 from kilat.engine.input_processor import PromptType
+from kilat.engine.tokenizer import TokenBytes
 from kilat.outputs import CompletionOutput, RequestOutput
 from kilat.sampling_params import SamplingParams
 
@@ -50,11 +51,14 @@ class APIError(Exception):
 
 
 def bad_request(error: ValueError, fields: set[str]) -> APIError:
-    """A 400 for a ``ValueError`` from validation; ``param`` is the field its message starts with."""
+    """A 400 for a ``ValueError`` from validation; ``param`` is the field its message starts with (the
+    prompt is ``messages`` in a chat request)."""
     message = str(error)
     match = re.match(r"[a-z_]+", message)
     word = match.group(0) if match else ""
-    param = "prompt" if word == "prompt_token_ids" else word if word in fields else None
+    if word in ("prompt", "prompt_token_ids"):
+        word = "prompt" if "prompt" in fields else "messages"
+    param = word if word in fields else None
     return APIError(400, message, param=param)
 
 
@@ -118,6 +122,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.token_bytes = TokenBytes(engine.tokenizer)
 
     def check_model(self, model: str | None) -> str:
         """The model name to report; ``None`` means the default.

@@ -25,11 +25,6 @@ from kilat.sampling_params import SamplingParams
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-def _token_logprob(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": clamp_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
-
-
 class OpenAIServingChat(OpenAIServing):
     """Renders the conversation with the model's chat template and builds chat responses.
 
@@ -45,16 +40,21 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
 
-    @staticmethod
-    def _logprobs(completion: CompletionOutput, tokens: range, num_top: int) -> dict[str, Any] | None:
-        """OpenAI's chat ``logprobs``: per token its logprob, UTF-8 bytes and the top ``num_top``."""
+    def _token_logprob(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        return {"token": lp.decoded_token or "", "logprob": clamp_logprob(lp.logprob),
+                "bytes": list(self.token_bytes(token_id))}
+
+    def _logprobs(self, completion: CompletionOutput, tokens: range, num_top: int) -> dict[str, Any] | None:
+        """OpenAI's chat ``logprobs``: per token its text, logprob, raw bytes and the top ``num_top``."""
         if completion.logprobs is None:
             return None
         content = []
         for i in tokens:
             entry = completion.logprobs[i]
-            item = _token_logprob(entry[completion.token_ids[i]])
-            item["top_logprobs"] = [_token_logprob(lp) for lp in sorted(entry.values(), key=lambda lp: lp.rank)
+            token_id = completion.token_ids[i]
+            item = self._token_logprob(token_id, entry[token_id])
+            item["top_logprobs"] = [self._token_logprob(tid, lp)
+                                    for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
                                     if lp.rank <= num_top]
             content.append(item)
         return {"content": content}

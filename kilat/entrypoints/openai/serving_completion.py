@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,15 +26,30 @@ from kilat.sampling_params import SamplingParams
 _FIELDS = set(CompletionRequest.model_fields)
 
 
+class _TextOffsets:
+    """Character offsets of consecutive tokens in a choice's text, from the tokens' raw bytes: a token that
+    ends inside a multi-byte character does not advance the offset until the character is complete."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_bytes: bytes) -> int:
+        """The offset of the next token (characters), given its bytes."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(token_bytes))
+        return offset
+
+
 class OpenAIServingCompletion(OpenAIServing):
     """Builds completion responses, whole or streamed."""
 
     def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None], num_top: int,
-                  text_offset: int) -> dict[str, Any]:
+                  offsets_state: _TextOffsets) -> dict[str, Any]:
         """OpenAI's completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
 
         ``entries[i]`` holds the chosen token ``token_ids[i]`` and the top tokens by rank (``None`` for a
-        prompt's first token); offsets count characters of the choice's text, starting at ``text_offset``.
+        prompt's first token); offsets continue from ``offsets_state``.
         """
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries, strict=True):
@@ -45,8 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             top_logprobs.append(None if entry is None else {
                 lp.decoded_token: clamp_logprob(lp.logprob)
                 for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= num_top})
-            offsets.append(text_offset)
-            text_offset += len(text)
+            offsets.append(offsets_state.advance(self.token_bytes(token_id)))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
@@ -56,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return output.prompt if output.prompt is not None else self.engine.tokenizer.decode(output.prompt_token_ids)
 
     def _choice_logprobs(self, request: CompletionRequest, output: RequestOutput, index: int,
-                         tokens: range, echo: bool, text_offset: int) -> dict[str, Any] | None:
+                         tokens: range, echo: bool, offsets: _TextOffsets) -> dict[str, Any] | None:
         """Logprobs of a choice's tokens in ``tokens``, preceded by the prompt's when ``echo``."""
         if request.logprobs is None:
             return None
@@ -66,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo:
             ids = output.prompt_token_ids + ids
             entries = [None, *(output.prompt_logprobs or [None] * len(output.prompt_token_ids))[1:], *entries]
-        return self._logprobs(ids, entries, request.logprobs, text_offset)
+        return self._logprobs(ids, entries, request.logprobs, offsets)
 
     async def create(self, request: CompletionRequest) -> dict[str, Any] | EventStream:
         """A whole response, or an :class:`EventStream` when ``stream``.
@@ -93,7 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append({
                     "index": p * params.n + c.index,
                     "text": prefix + ("" if request.scores_only else c.text),
-                    "logprobs": self._choice_logprobs(request, output, c.index, generated, request.echo, 0),
+                    "logprobs": self._choice_logprobs(request, output, c.index, generated, request.echo,
+                                                      _TextOffsets()),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "text_completion", "created": created(), "model": model,
                 "choices": choices, "usage": usage(outputs, not request.scores_only)}
@@ -107,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
             base["usage"] = None
         n = params.n
         states = [[ChoiceStream(params.stop) for _ in range(n)] for _ in streams]
-        offsets = [[0] * n for _ in streams]
+        offsets = [[_TextOffsets() for _ in range(n)] for _ in streams]
         finals: dict[int, RequestOutput] = {}
         try:
             async with contextlib.aclosing(self.merge(streams)) as updates:
@@ -124,8 +140,6 @@ class OpenAIServingCompletion(OpenAIServing):
                             text, tokens = "", range(0)
                         prefix = self._echo_prefix(request, output) if echo else ""
                         logprobs = self._choice_logprobs(request, output, c.index, tokens, echo, offsets[p][c.index])
-                        if logprobs is not None and logprobs["tokens"]:
-                            offsets[p][c.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                         yield sse({**base, "choices": [{
                             "index": p * n + c.index, "text": prefix + text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason if state.finished else None,
