@@ -1,5 +1,5 @@
-"""The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat generate`` and an
-interactive, streaming ``kilat chat``."""
+"""The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat bench`` (benchmarks),
+``kilat generate`` and an interactive, streaming ``kilat chat``."""
 
 from __future__ import annotations
 
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
+    from kilat.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

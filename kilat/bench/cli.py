@@ -1,0 +1,126 @@
+"""``kilat bench serve|throughput|latency`` argument parsing and reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import urllib.request
+from typing import Any
+
+from kilat.bench.datasets import DATASETS, jsonl_requests, random_requests, shared_prefix_requests, text_requests
+from kilat.bench.metrics import parse_goodput
+from kilat.bench.serve import LoadConfig, benchmark, format_table
+
+
+def _range(text: str) -> tuple[int, int]:
+    """``"128"`` → (128, 128); ``"32:256"`` → (32, 256)."""
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kilat bench serve``."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--dataset-name", choices=DATASETS, default="random")
+    parser.add_argument("--dataset-path", default=None, help="JSONL of {'prompt'} or {'messages'} per line")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--random-input-len", type=_range, default=(32, 256), help="tokens, N or MIN:MAX")
+    parser.add_argument("--random-output-len", type=_range, default=(128, 128), help="tokens, N or MIN:MAX")
+    parser.add_argument("--shared-prefix-groups", type=int, default=8)
+    parser.add_argument("--shared-prefix-per-group", type=int, default=8)
+    parser.add_argument("--shared-prefix-len", type=int, default=512)
+    parser.add_argument("--shared-suffix-len", type=int, default=32)
+    parser.add_argument("--text-input-lines", type=int, default=12)
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="max_tokens for shared-prefix, text and jsonl prompts")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s; inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--sweep-concurrency", default=None, help="comma-separated, e.g. 1,2,4,8,16")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    parser.add_argument("--cost-per-hour", type=float, default=None, help="hardware price, USD per hour")
+    parser.add_argument("--tokenizer", default=None,
+                        help="for random prompts on the chat endpoint and for counting tokens when the server "
+                             "sends no usage (default: the embedded model's)")
+    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--plot", default=None, help="PNG path")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _requests(ns: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    vocab = len(tokenizer)
+    if ns.dataset_name == "random":
+        reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, ns.seed)
+        if ns.endpoint == "chat":
+            for r in reqs:
+                r.prompt = tokenizer.decode(r.prompt)
+        return reqs
+    if ns.dataset_name == "shared-prefix":
+        return shared_prefix_requests(ns.shared_prefix_groups, ns.shared_prefix_per_group, ns.shared_prefix_len,
+                                      ns.shared_suffix_len, ns.output_len, vocab, ns.seed)
+    if ns.dataset_name == "text":
+        return text_requests(ns.num_prompts, ns.text_input_lines, ns.output_len, ns.seed)
+    if not ns.dataset_path:
+        raise ValueError("--dataset-path is required with --dataset-name jsonl")
+    return jsonl_requests(ns.dataset_path, ns.output_len, ns.num_prompts)
+
+
+def cmd_serve(ns: argparse.Namespace) -> None:
+    """Run ``kilat bench serve``: one run, or one per ``--sweep-concurrency`` value."""
+    from kilat.engine.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(ns.tokenizer)
+    slos = parse_goodput(ns.goodput)
+    requests = _requests(ns, tokenizer)
+    model = ns.model or _served_model(ns.base_url, ns.api_key)
+    sweep = [int(c) for c in ns.sweep_concurrency.split(",")] if ns.sweep_concurrency else [ns.max_concurrency]
+    runs = []
+    for concurrency in sweep:
+        config = LoadConfig(ns.base_url, model, ns.endpoint, ns.request_rate, concurrency, ns.ignore_eos, ns.seed,
+                            ns.api_key, progress=not ns.no_progress)
+        run = benchmark(requests, config, slos, ns.cost_per_hour, tokenizer)
+        run.update(dataset=ns.dataset_name, num_prompts=len(requests))
+        print(f"\n== {ns.dataset_name}, {len(requests)} requests, concurrency {concurrency or 'unlimited'}, "
+              f"rate {ns.request_rate} req/s ==")
+        print(format_table(run))
+        runs.append(run)
+    if ns.result_json:
+        with open(ns.result_json, "w") as f:
+            json.dump(runs[0] if len(runs) == 1 else {"sweep": runs}, f, indent=2)
+    if ns.plot:
+        from kilat.bench.plot import plot_runs
+
+        plot_runs(runs, ns.plot)
+    if any(run["failed"] for run in runs):
+        sys.exit(1)
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Register ``kilat bench`` and its subcommands."""
+    from kilat.bench.offline import add_latency_args, add_throughput_args, cmd_latency, cmd_throughput
+
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve = kinds.add_parser("serve", help="measure any OpenAI-compatible server")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    throughput = kinds.add_parser("throughput", help="offline throughput of the engine (W1)")
+    add_throughput_args(throughput)
+    throughput.set_defaults(func=cmd_throughput)
+    latency = kinds.add_parser("latency", help="offline batch-1 decode latency and MBU (W2)")
+    add_latency_args(latency)
+    latency.set_defaults(func=cmd_latency)

@@ -1,0 +1,138 @@
+"""``kilat bench throughput`` (W1) and ``kilat bench latency`` (W2, with MBU) on the engine in-process.
+
+W1: ``--num-prompts`` requests of random token ids (lengths uniform in ``--input-len``), ``--output-len``
+tokens each with EOS ignored, all submitted at once; output and total tokens/s over the whole batch.
+W2: batch 1, a ``--input-len``-token prompt, ``--output-len`` tokens; TTFT and decode tokens/s =
+(output_tokens - 1) / (E2EL - TTFT), median of ``--num-iters`` runs. MBU (metrics.md) = bytes read per
+decode step (weights + KV cache touched) × decode steps/s ÷ peak memory bandwidth, where the bandwidth is
+``--memory-bandwidth-gbps`` or, when not given, measured with a large tensor copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kilat.bench.cli import _range
+from kilat.bench.datasets import random_requests
+from kilat.entrypoints.cli import add_engine_args, engine_args_from
+from kilat.sampling_params import SamplingParams
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kilat bench throughput`` (engine flags included)."""
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=_range, default=(32, 256), help="tokens, N or MIN:MAX")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--result-json", default=None)
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kilat bench latency`` (engine flags included)."""
+    add_engine_args(parser)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--memory-bandwidth-gbps", type=float, default=None,
+                        help="peak memory bandwidth in GB/s (default: measured with a tensor copy)")
+    parser.add_argument("--result-json", default=None)
+
+
+def _llm(ns: argparse.Namespace) -> Any:
+    from kilat.engine.llm import LLM
+
+    return LLM(**vars(engine_args_from(ns)))
+
+
+def _write(result: dict[str, Any], path: str | None) -> None:
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def cmd_throughput(ns: argparse.Namespace) -> None:
+    """W1: all requests at once; output and total tokens/s (one warm-up request first)."""
+    llm = _llm(ns)
+    vocab = llm.engine.hf_config.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=ns.output_len)
+    llm.generate([list(range(100, 132))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    requests = random_requests(ns.num_prompts, ns.input_len, (ns.output_len, ns.output_len), vocab, seed=0)
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    _write({"workload": "W1", "num_prompts": ns.num_prompts, "input_len": list(ns.input_len),
+            "output_len": ns.output_len, "duration_s": duration, "output_tokens": out_tokens,
+            "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+            "dtype": ns.dtype, "model": ns.model}, ns.result_json)
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s from the best of ``repeats`` copies of a ``num_bytes`` tensor (each copy
+    reads and writes ``num_bytes``)."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: float, dtype: torch.dtype) -> float:
+    """Bytes one batch-1 decode step reads: every weight once (the embedding table only when it is also the
+    output projection) plus the K and V of ``context_len`` tokens in every layer."""
+    params = {id(p): p for p in model.parameters()}
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight is not embed:
+        weights -= embed.numel() * embed.element_size()
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    kv_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return weights + kv_per_token * context_len
+
+
+def cmd_latency(ns: argparse.Namespace) -> None:
+    """W2: batch-1 TTFT, decode tokens/s and MBU, median of ``--num-iters`` runs."""
+    llm = _llm(ns)
+    engine = llm.engine
+    vocab = engine.hf_config.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=ns.output_len)
+    rng = np.random.default_rng(1)
+    runs = []
+    for i in range(ns.num_iters + 1):  # the first run warms up
+        prompt = rng.integers(100, vocab - 100, size=ns.input_len).tolist()
+        start = time.perf_counter()
+        first = None
+        engine.add_request(f"latency-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            if engine.step() and first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if i and first is not None:
+            runs.append({"ttft_s": first - start, "e2el_s": end - start,
+                         "decode_tokens_per_s": (ns.output_len - 1) / (end - first)})
+    best = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
+    runner = engine.core.runner
+    step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, ns.input_len + ns.output_len / 2,
+                                       runner.dtype)
+    bandwidth = ns.memory_bandwidth_gbps * 1e9 if ns.memory_bandwidth_gbps else measure_bandwidth()
+    _write({"workload": "W2", "input_len": ns.input_len, "output_len": ns.output_len, **best,
+            "decode_tokens_per_s_all": [r["decode_tokens_per_s"] for r in runs],
+            "bytes_per_decode_step": step_bytes, "memory_bandwidth_gbps": bandwidth / 1e9,
+            "bandwidth_source": "given" if ns.memory_bandwidth_gbps else "measured (tensor copy)",
+            "mbu": step_bytes * best["decode_tokens_per_s"] / bandwidth,
+            "median_of": len(runs), "dtype": str(runner.dtype).removeprefix("torch."), "model": ns.model},
+           ns.result_json)
+
+
