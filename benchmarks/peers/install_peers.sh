@@ -26,8 +26,12 @@ install_llama() {
   tar xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
   rm -rf "$PEERS_DIR/llama.cpp"
   cp -r "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PEERS_DIR/llama.cpp"
+  # Not -DGGML_NATIVE=ON: this VM advertises AMX, but AMX code dies with SIGILL here; AVX-512 (with VNNI
+  # and BF16) is what the CPU runs.
   cmake -S "$PEERS_DIR/llama.cpp" -B "$PEERS_DIR/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+    -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
   cmake --build "$PEERS_DIR/llama.cpp/build" --target llama-server -j "$(nproc)"
   echo "llama-server: $PEERS_DIR/llama.cpp/build/bin/llama-server"
 }

