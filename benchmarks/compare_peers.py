@@ -270,28 +270,65 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict[str, Any], path: str) -> None:
+    """Grouped bars: output tokens/s per workload and peer, and W4's ITL P99 during the long prefill."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = list(results["peers"])
+    keys = ["w6_c1", "w6_c16", "w1", "w3"]
+    fig, (ax, ax4) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
+        runs = results["peers"][peer]
+        values = [(runs.get(k) or {}).get("output_throughput") or 0 for k in keys]
+        ax.bar(np.arange(len(keys)) + i * width, values, width, label=peer)
+        itl = ((runs.get("w4") or {}).get("itl_during_prefill_s") or {}).get("p99")
+        ax4.bar(i, (itl or 0) * 1e3, label=peer)
+    ax.set_xticks(np.arange(len(keys)) + width * (len(peers) - 1) / 2, ["W6 c=1", "W6 c=16", "W1", "W3"])
+    ax.set(ylabel="output tokens/s", title="throughput (higher is better)")
+    ax.legend()
+    ax4.set_xticks(range(len(peers)), peers)
+    ax4.set(ylabel="ms", yscale="log", title="W4 ITL P99, long prefill (lower: better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", default="kilat,vllm,llama.cpp,hf")
     parser.add_argument("--out", default="benchmarks/results/peers-latest.json")
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--plot", default=None, help="PNG path")
+    parser.add_argument("--replot", action="store_true",
+                        help="run nothing: write --markdown and --plot from the results in --out")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other peers' results already in --out (re-run only --peers)")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                                "machine": platform.machine(), "cpus": os.cpu_count(), "commit": commit,
                                "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF), bfloat16", "peers": {}}
-    for name in args.peers.split(","):
+    if (args.update or args.replot) and Path(args.out).exists():
+        results["peers"] = json.loads(Path(args.out).read_text())["peers"]
+    for name in [] if args.replot else args.peers.split(","):
         print(f"== {name} ==", flush=True)
         try:
             results["peers"][name] = run_hf() if name == "hf" else run_server_peer(name)
         except Exception as e:
             results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: FAILED {e}", flush=True)
+        results["peers"][name].update(run_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=commit)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def _chunk_text(data: dict[str, Any], endpoint: str) -> str:
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: str, body: dict[str, Any],
                        headers: dict[str, str] | None = None) -> RequestResult:
-    """Send one streamed request; time every content chunk. Never raises: failures are in the result."""
+    """Send one streamed request; time every content chunk, and the last event of the stream (``[DONE]``) as
+    its end. Never raises: failures are in the result."""
     result = RequestResult(success=False, send_time=time.perf_counter())
     usage = None
     try:
@@ -83,7 +84,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
-                now = time.perf_counter()
+                now = result.end_time = time.perf_counter()
                 if payload == b"[DONE]":
                     done = True
                     break
@@ -96,7 +97,6 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                 if text:
                     result.chunk_times.append(now)
                     result.text += text
-            result.end_time = result.chunk_times[-1] if result.chunk_times else time.perf_counter()
             if result.error is None and not done:
                 result.error = "stream ended without [DONE]"
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:

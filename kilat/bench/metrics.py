@@ -3,7 +3,8 @@
 Per request, from the client's clock (``time.perf_counter`` seconds) starting when the request is sent:
 TTFT until the first chunk that carries generated text; ITL the gaps between consecutive content chunks
 after the first (a chunk with several tokens contributes one gap); TPOT = (E2EL - TTFT) / (output_tokens - 1)
-for requests with at least 2 output tokens; E2EL until the last chunk. Failed requests are counted and left
+for requests with at least 2 output tokens; E2EL until the last chunk of the stream. Input tokens come from
+the server's ``usage``. Failed requests are counted and left
 out of every latency statistic. Percentiles use numpy's default linear interpolation.
 """
 
@@ -28,7 +29,7 @@ class RequestResult:
         error: why it failed.
         send_time: when the request was sent (seconds, ``perf_counter``).
         chunk_times: arrival of each chunk that carried generated text, in order (seconds).
-        end_time: arrival of the last chunk or of the whole response (seconds).
+        end_time: arrival of the stream's last event (``[DONE]``), or of the error (seconds).
         prompt_tokens: from the server's ``usage``, when given.
         output_tokens: generated tokens.
         output_tokens_source: ``"usage"`` or ``"retokenized"`` (counted by tokenizing the text).

@@ -117,7 +117,9 @@ async def run_load(requests: list[BenchRequest], config: LoadConfig) -> tuple[li
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
+    # a fresh connection per request: servers that close idle keep-alive connections (llama.cpp's) would
+    # otherwise fail requests sent on a connection they had just dropped
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         before = await scrape_counters(session, config.base_url)
         bar = tqdm(total=len(bodies), desc="requests", disable=not config.progress)
