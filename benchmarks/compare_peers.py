@@ -23,6 +23,8 @@ Workloads (greedy, EOS ignored, streaming for the servers):
 - W4: 8 streams decoding 256 tokens; 2 s later one 2,000-token prompt arrives (16 output tokens). Reported:
   ITL P99 of the 8 streams over the gaps that end while the long prompt is being prefilled (from its
   arrival to its first token), and over the whole run.
+- W5 (only with ``--w5``): Poisson arrivals at 2 requests/s for 120 s (240 requests cycling through the W6
+  chat prompts), at most 128 output tokens each, EOS honoured; servers only.
 
 Writes ``--out`` (JSON with every run) and prints a markdown table of kilat / peer ratios, which is also
 written to ``--markdown``. About 30 minutes on 2 cores; run it on an otherwise idle machine.
@@ -170,12 +172,27 @@ async def w4_interference(url: str) -> dict[str, Any]:
             "itl_all_s": distribution([g for r in results for g in r.itl]), "num_gaps_during_prefill": len(during)}
 
 
-def run_server_peer(name: str) -> dict[str, Any]:
+def w5_online(url: str) -> dict[str, Any]:
+    """W5: Poisson 2 req/s for 120 s of chat prompts, output <= 128 tokens, EOS honoured."""
+    from kilat.engine.tokenizer import get_tokenizer
+
+    prompts = w6()
+    requests_ = [prompts[i % len(prompts)] for i in range(240)]
+    config = LoadConfig(url, MODEL, "chat", request_rate=2.0, ignore_eos=False, seed=5, progress=False)
+    run = benchmark(requests_, config, tokenizer=get_tokenizer(None))
+    run.pop("per_request")
+    return run
+
+
+def run_server_peer(name: str, with_w5: bool = False) -> dict[str, Any]:
     server = start_peer(name)
     out: dict[str, Any] = {"startup_s": server.startup_s}
+    workloads: list[tuple[str, Any]] = []
+    if with_w5:
+        workloads.append(("w5", lambda: w5_online(server.url)))
     try:
         served(server.url, w6()[:4], "chat", 4)  # warm-up
-        for key, fn in (("w6_c1", lambda: served(server.url, w6(), "chat", 1)),
+        for key, fn in (*workloads,("w6_c1", lambda: served(server.url, w6(), "chat", 1)),
                         ("w6_c16", lambda: served(server.url, w6(), "chat", 16)),
                         ("w1", lambda: served(server.url, w1(), "completions", None)),
                         ("w3", lambda: served(server.url, w3(), "completions", None)),
@@ -303,6 +320,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/peers-latest.json")
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--plot", default=None, help="PNG path")
+    parser.add_argument("--w5", action="store_true", help="also run W5 (Poisson 2 req/s for 120 s) on the servers")
     parser.add_argument("--replot", action="store_true",
                         help="run nothing: write --markdown and --plot from the results in --out")
     parser.add_argument("--update", action="store_true",
@@ -317,7 +335,7 @@ def main() -> None:
     for name in [] if args.replot else args.peers.split(","):
         print(f"== {name} ==", flush=True)
         try:
-            results["peers"][name] = run_hf() if name == "hf" else run_server_peer(name)
+            results["peers"][name] = run_hf() if name == "hf" else run_server_peer(name, args.w5)
         except Exception as e:
             results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: FAILED {e}", flush=True)

