@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,6 +143,8 @@ def main() -> None:
     core = server.engine_core_pid()
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=ROOT).stdout.strip(),
         "cpus": os.cpu_count(), "model": args.model or "embedded SmolLM2-135M-Instruct",
         "server_args": args.server_args, "startup_to_first_request_s": startup_s, "cold_cache": args.cold,
         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": [],
