@@ -21,6 +21,7 @@ _DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -42,6 +43,8 @@ class ModelConfig:
         max_model_len: longest context in tokens (prompt + output); ``None`` takes the model's
             ``max_position_embeddings``.
         seed: seed for dummy weights and for unseeded sampling.
+        skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids, outputs carry token
+            ids and empty text, stop strings are refused. For dummy shapes that have no tokenizer.
     """
 
     model: str | None = None
@@ -50,6 +53,7 @@ class ModelConfig:
     load_format: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype",
@@ -126,6 +130,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class ExecutionConfig:
+    """How the model's steps are executed.
+
+    Attributes:
+        attention_backend: ``"auto"`` (Triton on CUDA when installed, else the torch reference), ``"torch"``
+            or ``"triton"`` (off CUDA only under ``TRITON_INTERPRET=1``, for tests).
+        enforce_eager: never capture CUDA graphs (by default decode steps replay graphs captured for batch
+            sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` on CUDA with a graphable backend).
+    """
+
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+               f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+
+@dataclass
 class EngineArgs:
     """Flat engine arguments, as accepted by ``LLM(...)`` and the CLI (vLLM's names).
 
@@ -138,6 +161,7 @@ class EngineArgs:
     load_format: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    skip_tokenizer_init: bool = False
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -148,6 +172,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     device: str = "auto"
     num_threads: int | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "device",
@@ -173,7 +199,7 @@ class EngineArgs:
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
         return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
-                            device=device, num_threads=self.num_threads)
+                            execution=build(ExecutionConfig), device=device, num_threads=self.num_threads)
 
 
 @dataclass
@@ -183,5 +209,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     device: str = "cpu"
     num_threads: int | None = None

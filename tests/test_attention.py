@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -16,66 +14,9 @@ from kilat.model_executor.attention import (
     write_kv,
 )
 from kilat.model_executor.forward_context import ForwardContext, get_forward_context, set_forward_context
+from tests.attention_utils import block_tables, naive_attention, run_attention_case
 
 BLOCK_SIZE = 4
-
-
-def _block_tables(seq_lens: list[int], block_size: int, generator: torch.Generator) -> tuple[list[list[int]], int]:
-    """Shuffled, non-contiguous block ids for each request; returns (tables, num_blocks)."""
-    counts = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(counts) + 3
-    perm = torch.randperm(num_blocks, generator=generator).tolist()
-    tables, i = [], 0
-    for c in counts:
-        tables.append(perm[i:i + c])
-        i += c
-    return tables, num_blocks
-
-
-def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-           window: int | None) -> torch.Tensor:
-    """Dense causal attention of q [Q, H, D] (positions context_len..) over k, v [S, KH, D] (positions 0..)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q.double(), k.double()) * scale
-    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= kpos > qpos - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
-
-
-def _run_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
-              window: int | None = None, head_dim: int = 16, seed: int = 0) -> None:
-    """Fill the cache with each request's context, run one step, compare every request to _naive."""
-    g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = _block_tables(seq_lens, BLOCK_SIZE, g)
-    (kv_cache,) = allocate_kv_caches(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, torch.float32, "cpu")
-    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
-    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
-    # Context (everything but the new tokens) is already in the cache from earlier steps.
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    for table, s, q, k, v in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
-        for p in range(s - q):
-            slot = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-            flat[0, slot], flat[1, slot] = k[p], v[p]
-    md = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g)
-    key = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
-    value = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
-    scale = head_dim ** -0.5
-
-    write_kv(kv_cache, key, value, md.slot_mapping)
-    out = paged_attention(query, key, value, kv_cache, md, scale, window)
-
-    assert out.shape == query.shape
-    starts = md.query_start_loc.tolist()
-    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        expected = _naive(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, scale, window)
-        torch.testing.assert_close(out[starts[r]:starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_metadata_build_slots_and_layout() -> None:
@@ -106,11 +47,11 @@ def test_metadata_rejects_bad_input() -> None:
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_decode_only(num_heads: int, num_kv_heads: int) -> None:
-    _run_case([1, 1, 1, 1], [1, 4, 5, 23], num_heads, num_kv_heads)
+    run_attention_case([1, 1, 1, 1], [1, 4, 5, 23], num_heads, num_kv_heads)
 
 
 def test_decode_only_equal_lengths() -> None:
-    _run_case([1, 1], [8, 8], 4, 2)
+    run_attention_case([1, 1], [8, 8], 4, 2)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -125,40 +66,41 @@ def test_decodes_in_length_groups(window: int | None) -> None:
     assert len(md.decodes) >= 2 and sum(len(p.seq_lens) for p in md.decodes) == 24
     assert all(len(p.seq_lens) >= 8 for p in md.decodes[:-1])
     assert all(a.max_seq_len <= int(b.seq_lens.min()) for a, b in zip(md.decodes, md.decodes[1:], strict=False))
-    _run_case(query_lens, seq_lens, 4, 2, window=window)
+    run_attention_case(query_lens, seq_lens, 4, 2, window=window)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_prefill_only(num_heads: int, num_kv_heads: int) -> None:
-    _run_case([3, 4, 5, 17], [3, 4, 5, 17], num_heads, num_kv_heads)
+    run_attention_case([3, 4, 5, 17], [3, 4, 5, 17], num_heads, num_kv_heads)
 
 
 def test_prefill_chunks_with_context() -> None:
     # chunks whose context ends mid-block, on a block boundary, and past several blocks
-    _run_case([3, 4, 6], [5, 8, 19], 4, 2)
+    run_attention_case([3, 4, 6], [5, 8, 19], 4, 2)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_mixed_batch(num_heads: int, num_kv_heads: int) -> None:
     # decodes leading, trailing and between prefills, lengths around block boundaries
-    _run_case([1, 7, 1, 4, 1, 2], [4, 7, 9, 12, 16, 17], num_heads, num_kv_heads)
+    run_attention_case([1, 7, 1, 4, 1, 2], [4, 7, 9, 12, 16, 17], num_heads, num_kv_heads)
 
 
 @pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [3, 9, 20]), ([9, 1, 5], [9, 13, 20])])
 def test_sliding_window(query_lens: list[int], seq_lens: list[int]) -> None:
-    _run_case(query_lens, seq_lens, 4, 2, window=6)
+    run_attention_case(query_lens, seq_lens, 4, 2, window=6)
 
 
 def test_bfloat16_decode_close_to_float32_reference() -> None:
     g = torch.Generator().manual_seed(1)
-    tables, num_blocks = _block_tables([10, 3], BLOCK_SIZE, g)
+    tables, num_blocks = block_tables([10, 3], BLOCK_SIZE, g)
     (kv_cache,) = allocate_kv_caches(1, num_blocks, BLOCK_SIZE, 2, 16, torch.bfloat16, "cpu")
     md = AttentionMetadata.build([10, 3], [10, 3], tables, BLOCK_SIZE, "cpu")
     q, k, v = (torch.randn(13, h, 16, generator=g) for h in (4, 2, 2))
     write_kv(kv_cache, k.bfloat16(), v.bfloat16(), md.slot_mapping)
     out = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache, md, 0.25)
     assert out.dtype == torch.bfloat16
-    expected = torch.cat([_naive(q[:10], k[:10], v[:10], 0, 0.25, None), _naive(q[10:], k[10:], v[10:], 0, 0.25, None)])
+    expected = torch.cat([naive_attention(q[:10], k[:10], v[:10], 0, 0.25, None),
+                          naive_attention(q[10:], k[10:], v[10:], 0, 0.25, None)])
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
@@ -173,7 +115,7 @@ def test_attention_layer_uses_forward_context() -> None:
     assert out.shape == (3, 32)
     assert caches[0].abs().sum() == 0  # layer 1 wrote only its own cache
     torch.testing.assert_close(caches[1][0, 2, :3], k)
-    torch.testing.assert_close(out.view(3, 4, 8), _naive(q, k, v, 0, 8 ** -0.5, None), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.view(3, 4, 8), naive_attention(q, k, v, 0, 8 ** -0.5, None), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="no forward context"):
         get_forward_context()
 

@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from kilat.bench.cli import parse_range
 from kilat.bench.datasets import random_requests
+from kilat.bench.mbu import decode_bytes_per_step, measure_bandwidth
 from kilat.entrypoints.cli import add_engine_args, engine_args_from
 from kilat.sampling_params import SamplingParams
 
@@ -73,33 +73,6 @@ def cmd_throughput(ns: argparse.Namespace) -> None:
             "output_len": ns.output_len, "duration_s": duration, "output_tokens": out_tokens,
             "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
             "dtype": ns.dtype, "model": ns.model}, ns.result_json)
-
-
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Memory bandwidth in bytes/s from the best of ``repeats`` copies of a ``num_bytes`` tensor (each copy
-    reads and writes ``num_bytes``)."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
-
-
-def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: float, dtype: torch.dtype) -> float:
-    """Bytes one batch-1 decode step reads: every weight once (the embedding table only when it is also the
-    output projection) plus the K and V of ``context_len`` tokens in every layer."""
-    params = {id(p): p for p in model.parameters()}
-    weights = sum(p.numel() * p.element_size() for p in params.values())
-    embed = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embed:
-        weights -= embed.numel() * embed.element_size()
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    kv_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    return weights + kv_per_token * context_len
 
 
 def cmd_latency(ns: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ class InputProcessor:
     """Tokenizes and validates requests for one model.
 
     Args:
-        tokenizer: a transformers tokenizer.
+        tokenizer: a transformers tokenizer, or ``None`` (``skip_tokenizer_init``: token-id prompts only).
         vocab_size: the model's vocabulary size (token ids must be below it).
         max_model_len: longest context in tokens.
         eos_token_id: the model's EOS id, or ``None``.
@@ -42,8 +42,8 @@ class InputProcessor:
         self.extra_eos_token_ids = frozenset(t for t in extra_eos_token_ids if 0 <= t < vocab_size)
         # No token covers more characters than its longest vocabulary string, so a longer text cannot fit;
         # rejecting it before tokenizing keeps a huge prompt from stalling the server's event loop.
-        longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = max_model_len * max(longest_token, 1)
+        longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 0
+        self.max_prompt_chars = max_model_len * longest_token
         self._core_ids = itertools.count()
 
     def to_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -52,9 +52,9 @@ class InputProcessor:
         ``add_special_tokens=False`` for text that already carries them (a rendered chat template).
 
         Raises:
-            ValueError: the prompt is empty, of an unknown type, not encodable as UTF-8 (a lone surrogate),
-                longer than ``max_model_len`` tokens could hold (checked on its length in characters before
-                tokenizing), or holds ids outside the vocabulary.
+            ValueError: the prompt is empty, text without a tokenizer, of an unknown type, not encodable as
+                UTF-8 (a lone surrogate), longer than ``max_model_len`` tokens could hold (checked on its
+                length in characters before tokenizing), or holds ids outside the vocabulary.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -64,6 +64,8 @@ class InputProcessor:
             else:
                 raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs a tokenizer; with skip_tokenizer_init pass token ids")
             if len(prompt) > self.max_prompt_chars:
                 raise ValueError(f"prompt is {len(prompt)} characters, more than max_model_len "
                                  f"({self.max_model_len}) tokens can hold (at most {self.max_prompt_chars})")
@@ -90,7 +92,7 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
-                too many logprobs).
+                too many logprobs, stop strings without a tokenizer).
         """
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
@@ -105,6 +107,8 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
@@ -138,6 +142,8 @@ class InputProcessor:
         Raises:
             ValueError: the messages are malformed or the template fails.
         """
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer (the engine runs with skip_tokenizer_init)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):

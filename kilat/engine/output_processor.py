@@ -43,7 +43,8 @@ class OutputProcessor:
     """Keeps the user-visible state of every request in flight.
 
     Args:
-        tokenizer: a transformers tokenizer (for text and logprob tokens).
+        tokenizer: a transformers tokenizer (for text and logprob tokens), or ``None`` (``skip_tokenizer_init``:
+            completions carry token ids and empty text).
     """
 
     def __init__(self, tokenizer: Any):
@@ -69,7 +70,8 @@ class OutputProcessor:
         output = RequestOutput(request_id, prompt, prompt_token_ids, completions, finished=False,
                                metrics=RequestMetrics(core_requests[0].arrival_time,
                                                       num_prompt_tokens=len(prompt_token_ids)))
-        detoks = [IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids) for _ in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)
+                  for _ in range(params.n)] if self.tokenizer is not None else []
         self._states[request_id] = _RequestState(output, detoks, params.n,
                                                  [r.request_id for r in core_requests])
         for r in core_requests:
@@ -85,6 +87,8 @@ class OutputProcessor:
         return state.core_ids
 
     def _decode_logprobs(self, entries: list[PositionLogprobs]) -> list[PositionLogprobs]:
+        if self.tokenizer is None:
+            return entries
         for entry in entries:
             for tid, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([tid])
@@ -106,9 +110,11 @@ class OutputProcessor:
             state = self._states[parent[0]]
             completion = state.output.outputs[parent[1]]
             stop_terminated = co.finish_reason == "stop"
-            stop_str = state.detokenizers[parent[1]].add_tokens(co.new_token_ids, stop_terminated)
+            detok = state.detokenizers[parent[1]] if state.detokenizers else None
+            stop_str = detok.add_tokens(co.new_token_ids, stop_terminated) if detok is not None else None
             completion.token_ids.extend(co.new_token_ids)
-            completion.text = state.detokenizers[parent[1]].output_text
+            if detok is not None:
+                completion.text = detok.output_text
             if co.new_logprobs is not None and completion.logprobs is not None:
                 completion.logprobs.extend(self._decode_logprobs(co.new_logprobs))
             if co.prompt_logprobs is not None and state.output.prompt_logprobs is None:

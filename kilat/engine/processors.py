@@ -42,13 +42,15 @@ def build_processors(model_config: ModelConfig, hf_config: Any,
     Returns:
         (tokenizer, input processor, output processor).
 
+    Returns ``None`` for the tokenizer with ``model_config.skip_tokenizer_init``.
+
     Raises:
         ValueError: no tokenizer can be found for the model.
     """
     source = resolve_model_source(model_config.model, model_config.load_format)
-    tokenizer = get_tokenizer(model_config.tokenizer or source)
+    tokenizer = None if model_config.skip_tokenizer_init else get_tokenizer(model_config.tokenizer or source)
     eos_ids = _config_eos_ids(hf_config, source)
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None and eos_ids:
         eos = min(eos_ids)
     input_processor = InputProcessor(tokenizer, hf_config.vocab_size, max_model_len, eos, eos_ids - {eos})

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kilat.model_executor.attention.backends import TORCH_BACKEND, AttentionBackend
+
 if TYPE_CHECKING:
     from kilat.model_executor.attention.metadata import AttentionMetadata
 
@@ -26,10 +28,15 @@ class ForwardContext:
         attn_metadata: the step's attention metadata (built once per step).
         kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model
             dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
+        backend: the attention kernels to run (the torch reference unless the runner picks another).
+        fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels
+            (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
     """
 
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
+    backend: AttentionBackend = TORCH_BACKEND
+    fused_kernels: bool = False
 
 
 _current: ForwardContext | None = None
@@ -56,3 +63,8 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("no forward context is set; wrap model.forward in set_forward_context(...)")
     return _current
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether the current forward step asked for fused Triton kernels (``False`` outside any step)."""
+    return _current is not None and _current.fused_kernels

@@ -15,7 +15,9 @@ from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request
 from kilat.core.scheduler import SchedulerOutput
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
+from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
 from kilat.model_executor.cpu_threads import ThreadGovernor
+from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
@@ -35,6 +37,9 @@ class ModelRunner:
     Attributes:
         max_model_len: longest context in tokens, capped by the model's positions and the KV cache.
         num_blocks: KV blocks allocated.
+        attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
+        fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
+        cuda_graphs: the captured decode graphs, or ``None`` (CPU, ``enforce_eager``, ungraphable backend).
     """
 
     def __init__(self, config: EngineConfig):
@@ -42,6 +47,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.threads = ThreadGovernor(config.num_threads) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
+        self.attn_backend = get_attention_backend(resolve_attention_backend(config.execution.attention_backend,
+                                                                            self.device))
+        self.fused_kernels = self.device.type == "cuda" and self.attn_backend.name == "triton"
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.model.max_model_len or model_max
         if self.max_model_len > model_max:
@@ -65,6 +73,17 @@ class ModelRunner:
                                             self.model.num_kv_heads, self.model.head_dim, self.dtype,
                                             self.device)
         self.sampler = Sampler()
+        self.cuda_graphs = None
+        if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
+                                               block_size, self.max_model_len, config.scheduler.max_num_seqs,
+                                               self.device)
+        logger.info("attention backend %s%s, %s", self.attn_backend.name,
+                    " with fused kernels" if self.fused_kernels else "",
+                    "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
+
+    def _context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> ForwardContext:
+        return ForwardContext(meta, kv_caches, self.attn_backend, self.fused_kernels)
 
     def _num_blocks(self, bytes_per_block: int) -> int:
         cache = self.config.cache
@@ -75,7 +94,8 @@ class ModelRunner:
         return max(2, (cache.kv_cache_memory or _DEFAULT_CPU_KV_BYTES) // bytes_per_block)
 
     def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
-        """Run a forward at the full token budget, then give the KV cache what is left of the allowance."""
+        """Run a forward at the full token budget and logits for ``max_num_seqs`` rows, then give the KV cache
+        what is left of ``gpu_memory_utilization`` × device memory after the peak."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
@@ -84,15 +104,19 @@ class ModelRunner:
         caches = allocate_kv_caches(self.model.num_layers, -(-num_tokens // self.block_size), self.block_size,
                                     self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches)):
-            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
+        with torch.inference_mode(), set_forward_context(self._context(meta, caches)):
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
+            rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+            self.model.compute_logits(hidden[:rows])
+        del hidden
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches
         _, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak
-        logger.info("profiled peak %.2f GiB of %.2f GiB; KV cache gets %.2f GiB", peak / 2**30,
-                    total / 2**30, budget / 2**30)
-        return max(2, budget // bytes_per_block)
+        num_blocks = max(2, budget // bytes_per_block)
+        logger.info("profiled peak %.2f GiB of %.2f GiB; KV cache gets %.2f GiB: %d blocks, %d tokens",
+                    peak / 2**30, total / 2**30, budget / 2**30, num_blocks, num_blocks * self.block_size)
+        return num_blocks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, tuple[int, PositionLogprobs | None]]:
@@ -127,11 +151,15 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(request)
 
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with set_forward_context(ForwardContext(meta, self.kv_caches)):
-            hidden = self.model(ids_t, pos_t)
+        graphs = self.cuda_graphs
+        if graphs is not None and len(input_ids) == len(query_lens) <= graphs.max_batch_size:
+            hidden = graphs.run(input_ids, positions, seq_lens, block_tables)
+        else:
+            meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+            with set_forward_context(self._context(meta, self.kv_caches)):
+                hidden = self.model(ids_t, pos_t)
         for request, row0, pos_from, count in prompt_lp:
             self._prompt_logprobs(request, hidden[row0:row0 + count], pos_from)
         if not sample_reqs:

@@ -305,9 +305,13 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
     """Start the engine-core process, then serve HTTP until SIGINT or SIGTERM; both processes exit.
 
     Raises:
-        ValueError: an invalid engine argument or model path.
+        ValueError: an invalid engine argument or model path, or ``skip_tokenizer_init`` (the OpenAI API
+            takes text).
         kilat.engine.core_client.EngineDeadError: the model failed to load.
     """
+    if engine_args.skip_tokenizer_init:
+        raise ValueError("skip_tokenizer_init: kilat serve needs a tokenizer (the OpenAI API takes and returns "
+                         "text); use it offline with token-id prompts")
     stat_logger = PrometheusStatLogger()
     # SIGTERM must unwind (and so stop the engine core), not kill outright: while the model loads, and when
     # uvicorn re-raises it after its graceful shutdown.

@@ -1,4 +1,4 @@
-"""Attention: per-step metadata, the paged KV cache and the torch reference backend."""
+"""Attention: per-step metadata, the paged KV cache, and the backends (torch reference, Triton)."""
 
 from kilat.model_executor.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from kilat.model_executor.attention.layer import Attention

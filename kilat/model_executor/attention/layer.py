@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kilat.model_executor.attention.torch_ref import paged_attention, write_kv
 from kilat.model_executor.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
     """Paged causal self-attention of one decoder layer (no weights).
 
-    Reads the step's metadata and ``kv_caches[layer_idx]`` from the forward context, writes the new K/V at
-    ``slot_mapping`` and attends each new token over its request's whole context.
+    Reads the step's metadata, ``kv_caches[layer_idx]`` and the backend from the forward context, writes the
+    new K/V at ``slot_mapping`` and attends each new token over its request's whole context.
 
     Args:
         layer_idx: index of this layer's KV cache in ``ForwardContext.kv_caches``.
@@ -48,8 +47,9 @@ class Attention(nn.Module):
         """
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping)
-        out = paged_attention(query, key, value, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window)
+        ctx.backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping)
+        out = ctx.backend.paged_attention(query, key, value, kv_cache, ctx.attn_metadata, self.scale,
+                                          self.sliding_window)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _GROUP_GROWTH = 1.5
 """A decode group closes when the next (longer) decode would pad it past this factor of its shortest."""
@@ -93,6 +97,22 @@ class PrefillPlan:
 
 
 @dataclass
+class HostBatch:
+    """The step's batch as plain host data, kept for planning on the host (reference plans, Triton tiles).
+
+    Attributes:
+        query_lens, seq_lens: per request, as given to :meth:`AttentionMetadata.build`.
+        block_table: int64 ``[num_reqs, max_blocks]`` on the CPU.
+        query_start_loc: int64 ``[num_reqs + 1]`` on the CPU.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """What every attention layer needs to know about one step's batch.
 
@@ -101,17 +121,20 @@ class AttentionMetadata:
     ``query_start_loc[r]:query_start_loc[r + 1]`` of the flattened batch. The slot of position ``p`` is
     ``block_table[r][p // block_size] * block_size + p % block_size``.
 
+    Backends derive what else they need once per step through :meth:`cached` (the reference backend's
+    :attr:`decodes` and :attr:`prefills` plans, the Triton backend's tiles), from :attr:`host`.
+
     Attributes:
         query_start_loc: int32 ``[num_reqs + 1]``, cumulative new-token counts (cu_seqlens).
-        seq_lens: int32 ``[num_reqs]``, context + new tokens per request.
+        seq_lens: int32 ``[num_reqs]``, context + new tokens per request (0 for a padding row).
         block_table: int32 ``[num_reqs, max_blocks]``, KV block ids per request, padded with block 0.
-        slot_mapping: int64 ``[num_new_tokens]``, cache slot of every new token.
+        slot_mapping: int64 ``[num_new_tokens]``, cache slot of every new token (-1: padding, not written).
         max_query_len: most new tokens of one request.
-        max_seq_len: longest ``seq_len``.
+        max_seq_len: longest ``seq_len`` (an upper bound, e.g. ``max_model_len``, for captured CUDA graphs).
         block_size: token slots per KV block.
         num_decode_tokens: number of requests with exactly one new token ("decodes").
-        decodes: the decodes in length groups, one :class:`DecodePlan` each (empty when there are none).
-        prefills: one :class:`PrefillPlan` per request with more than one new token, in batch order.
+        host: the batch on the host, or ``None`` for the static buffers of a captured CUDA graph (decodes
+            only, for backends that need no host planning).
     """
 
     query_start_loc: torch.Tensor
@@ -122,9 +145,8 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_decode_tokens: int
-    decodes: list[DecodePlan]
-    prefills: list[PrefillPlan]
-    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
+    host: HostBatch | None = None
+    _cache: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -169,19 +191,6 @@ class AttentionMetadata:
         pos = torch.arange(req.shape[0]) - start_loc[req] + (s_t - q_t)[req]
         slot_mapping = _slots(table[req, pos // block_size], pos, block_size)
 
-        decodes = [r for r, q in enumerate(query_lens) if q == 1]
-        decode_groups = DecodePlan.build_groups(decodes, seq_lens, table, start_loc, block_size,
-                                                device) if decodes else []
-        starts = start_loc.tolist()
-        prefills = []
-        for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            if q > 1:
-                slots = None
-                if s > q:
-                    positions = torch.arange(s)
-                    slots = _slots(table[r, positions // block_size], positions, block_size).to(device)
-                prefills.append(PrefillPlan(starts[r], starts[r + 1], s - q, s, slots))
-
         return cls(
             query_start_loc=start_loc.to(device=device, dtype=torch.int32),
             seq_lens=s_t.to(device=device, dtype=torch.int32),
@@ -190,10 +199,55 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=block_size,
-            num_decode_tokens=len(decodes),
-            decodes=decode_groups,
-            prefills=prefills,
+            num_decode_tokens=sum(q == 1 for q in query_lens),
+            host=HostBatch(list(query_lens), list(seq_lens), table, start_loc),
         )
+
+    def cached(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()`` once per step (the first layer that asks); later layers get the same object."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def require_host(self) -> HostBatch:
+        """The host batch.
+
+        Raises:
+            RuntimeError: for CUDA-graph metadata, which has none.
+        """
+        if self.host is None:
+            raise RuntimeError("this metadata has no host batch (CUDA-graph buffers); plans need one")
+        return self.host
+
+    @property
+    def decodes(self) -> list[DecodePlan]:
+        """The decodes in length groups, one :class:`DecodePlan` each (empty when there are none)."""
+        def plan() -> list[DecodePlan]:
+            host = self.require_host()
+            decodes = [r for r, q in enumerate(host.query_lens) if q == 1]
+            if not decodes:
+                return []
+            return DecodePlan.build_groups(decodes, host.seq_lens, host.block_table, host.query_start_loc,
+                                           self.block_size, self.slot_mapping.device)
+        return self.cached("decodes", plan)
+
+    @property
+    def prefills(self) -> list[PrefillPlan]:
+        """One :class:`PrefillPlan` per request with more than one new token, in batch order."""
+        def plan() -> list[PrefillPlan]:
+            host = self.require_host()
+            starts = host.query_start_loc.tolist()
+            plans = []
+            for r, (q, s) in enumerate(zip(host.query_lens, host.seq_lens, strict=True)):
+                if q > 1:
+                    slots = None
+                    if s > q:
+                        positions = torch.arange(s)
+                        slots = _slots(host.block_table[r, positions // self.block_size], positions,
+                                       self.block_size).to(self.slot_mapping.device)
+                    plans.append(PrefillPlan(starts[r], starts[r + 1], s - q, s, slots))
+            return plans
+        return self.cached("prefills", plan)
 
     def decode_mask(self, group: int = 0, sliding_window: int | None = None) -> torch.Tensor | None:
         """Key mask of decode group ``group``, bool ``[num_decodes, 1, 1, padded_len]`` (True = attend).
@@ -204,17 +258,16 @@ class AttentionMetadata:
         """
         plan = self.decodes[group]
         window = _effective_window(sliding_window, plan.max_seq_len)
-        key = (-1 - group, window)
-        if key not in self._masks:
+
+        def mask() -> torch.Tensor | None:
             if window is None and bool((plan.seq_lens == plan.padded_len).all()):
-                self._masks[key] = None
-            else:
-                keys = torch.arange(plan.padded_len, device=plan.seq_lens.device)
-                mask = keys < plan.seq_lens[:, None]
-                if window is not None:
-                    mask &= keys > (plan.seq_lens[:, None] - 1 - window)
-                self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
+                return None
+            keys = torch.arange(plan.padded_len, device=plan.seq_lens.device)
+            allowed = keys < plan.seq_lens[:, None]
+            if window is not None:
+                allowed &= keys > (plan.seq_lens[:, None] - 1 - window)
+            return allowed[:, None, None, :]
+        return self.cached(("decode_mask", group, window), mask)
 
     def prefill_mask(self, index: int, sliding_window: int | None = None) -> torch.Tensor | None:
         """Causal mask of ``prefills[index]``, bool ``[query_len, seq_len]`` (True = attend).
@@ -225,19 +278,18 @@ class AttentionMetadata:
         """
         plan = self.prefills[index]
         window = _effective_window(sliding_window, plan.seq_len)
-        key = (index, window)
-        if key not in self._masks:
+
+        def mask() -> torch.Tensor | None:
             if plan.context_len == 0 and window is None:
-                self._masks[key] = None
-            else:
-                device = self.slot_mapping.device
-                query_pos = torch.arange(plan.context_len, plan.seq_len, device=device)[:, None]
-                keys = torch.arange(plan.seq_len, device=device)
-                mask = keys <= query_pos
-                if window is not None:
-                    mask &= keys > query_pos - window
-                self._masks[key] = mask
-        return self._masks[key]
+                return None
+            device = self.slot_mapping.device
+            query_pos = torch.arange(plan.context_len, plan.seq_len, device=device)[:, None]
+            keys = torch.arange(plan.seq_len, device=device)
+            allowed = keys <= query_pos
+            if window is not None:
+                allowed &= keys > query_pos - window
+            return allowed
+        return self.cached(("prefill_mask", index, window), mask)
 
 
 def _effective_window(sliding_window: int | None, seq_len: int) -> int | None:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kilat.model_executor.forward_context import fused_kernels_enabled
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate (Shazeer, 2020): ``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2d] -> [..., d]``.
 
-    ``x`` is the output of a fused ``gate_up_proj`` (gate rows first).
+    ``x`` is the output of a fused ``gate_up_proj`` (gate rows first). One Triton kernel when the step asks
+    for fused kernels and ``x`` is 2-D.
     """
+    if x.dim() == 2 and fused_kernels_enabled():
+        from kilat.model_executor.layers import triton_ops
+
+        return triton_ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

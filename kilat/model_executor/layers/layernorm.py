@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kilat.model_executor.forward_context import fused_kernels_enabled
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (as HF ``LlamaRMSNorm``).
@@ -38,7 +40,12 @@ class RMSNorm(nn.Module):
 
         With ``residual``, first computes ``x = x + residual`` and returns ``(norm(x), x)``: the pre-norm
         decoder's "add the sublayer output, then normalize" in one call; otherwise returns ``norm(x)``.
+        A 2-D ``x`` takes one Triton kernel when the step asks for fused kernels.
         """
+        if x.dim() == 2 and fused_kernels_enabled():
+            from kilat.model_executor.layers import triton_ops
+
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -13,6 +13,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kilat.model_executor.forward_context import fused_kernels_enabled
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The config's RoPE parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
@@ -81,6 +83,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x [T, num_heads, head_dim]`` by the ``(cos, sin)`` of :meth:`RotaryEmbedding.forward`.
 
     Equals HF's ``x * cos + rotate_half(x) * sin``: ``rotate_half`` is a roll by ``head_dim // 2`` with the
-    sign already folded into ``sin``.
+    sign already folded into ``sin``. One Triton kernel when the step asks for fused kernels and ``head_dim``
+    is a power of two.
     """
+    head_dim = x.shape[-1]
+    if fused_kernels_enabled() and head_dim & (head_dim - 1) == 0:
+        from kilat.model_executor.layers import triton_ops
+
+        return triton_ops.apply_rotary(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

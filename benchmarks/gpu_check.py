@@ -1,0 +1,495 @@
+#!/usr/bin/env python
+"""All of kilat's GPU checks in one run, printed (and written) as JSON.
+
+Sections, each in its own process (a crash or hang costs one section, and GPU memory is fully returned):
+
+- ``kernels``: the Triton attention backend (KV write, split-K decode, varlen extend) and the fused kernels
+  (RMSNorm + residual, SiLU-and-mul, rotary) against the torch reference on real shapes (Llama-3-8B: 32 query
+  / 8 KV heads of 128; SmolLM2-135M: 9 / 3 of 64) in bfloat16 and float32: decode batches with contexts
+  around block and split boundaries up to 4,100 tokens, prefills, chunked prefill over a cached prefix,
+  mixed batches, a sliding window. Then microbenchmarks before (torch) and after (Triton), and the memory
+  bandwidth of a device copy.
+- ``graphs``: greedy outputs of the embedded model's shapes (dummy weights) with CUDA graphs on and off, in
+  float32 (must be equal) and bfloat16 (reported), over a batch that shrinks through uncaptured sizes.
+- ``kilat-<model>`` / ``hf-<model>`` for Llama-3-8B and SmolLM2-135M shapes (dummy bfloat16 weights):
+  W2 (batch 1, prompt 128, output 256: decode tokens/s, MBU against the given and the measured bandwidth)
+  and W1 (``--w1-requests`` requests, prompts U[64, 512], output 256, all at once: output tokens/s), for
+  kilat and HF transformers (``generate`` for W2, ``generate_batch`` for W1) on the same prompts.
+
+The summary checks issue 5's targets. It needs only torch, Triton and transformers (no server packages):
+
+    PYTHONPATH=. python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"
+
+``--smoke`` runs every section on tiny shapes on whatever device there is (Triton in its interpreter on a
+CPU); the test suite uses it to keep this script working between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MARK = "GPU_CHECK_RESULT "
+MODELS = ("llama-3-8b", "smollm2-135m")
+SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m")
+TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
+              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150}
+TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
+               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+TARGETS = {"llama-3-8b W2 decode tokens/s": 215.0, "smollm2-135m W2 decode tokens/s": 1000.0,
+           "W1 kilat / HF generate_batch": 10.0}
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_us(fn: Callable[[], Any], iters: int) -> float:
+    """Median wall time of ``fn`` in microseconds over ``iters`` synchronized calls (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def model_name(args: argparse.Namespace, name: str) -> str:
+    """The dummy model to load: a preset name, or the tiny config file in ``--smoke``."""
+    if not args.smoke:
+        return name
+    path = Path(tempfile.gettempdir()) / "kilat-gpu-check-tiny.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+def attention_case(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype,
+                   window: int | None = None, block_size: int = 16, seed: int = 0) -> float:
+    """Max |triton - torch| of one step's attention output over a random paged cache (shuffled blocks)."""
+    from kilat.model_executor.attention import AttentionMetadata
+    from kilat.model_executor.attention.backends import get_attention_backend
+
+    num_heads, num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(counts) + 1, generator=g).tolist()
+    tables, i = [], 0
+    for c in counts:
+        tables.append(perm[i:i + c])
+        i += c
+    dev = device()
+    cache = torch.randn(2, sum(counts) + 1, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(dev)
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, dev)
+    total = sum(query_lens)
+    q = torch.randn(total, num_heads, head_dim, generator=g).to(dtype).to(dev)
+    k, v = (torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype).to(dev) for _ in range(2))
+    outs = []
+    for name in ("torch", "triton"):
+        backend = get_attention_backend(name)
+        c = cache.clone()
+        backend.write_kv(c, k, v, md.slot_mapping)
+        outs.append(backend.paged_attention(q, k, v, c, md, head_dim ** -0.5, window).float())
+    return float((outs[0] - outs[1]).abs().max())
+
+
+def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    from kilat.bench.mbu import measure_bandwidth
+    from kilat.model_executor.attention.backends import get_attention_backend
+    from kilat.model_executor.attention.metadata import AttentionMetadata
+    from kilat.model_executor.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul, triton_ops
+    from kilat.model_executor.layers.rotary import rope_inv_freq
+    from kilat.model_executor.loader import ModelSource
+    from kilat.model_executor.loader.model_loader import get_hf_config
+
+    shapes = {"tiny": (4, 2, 16)} if args.smoke else {"llama-3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+    if args.smoke:
+        cases = {"decode": ([1] * 4, [1, 16, 17, 513]), "prefill": ([17, 70], [17, 70]),
+                 "chunked_prefix": ([5, 20], [21, 100]), "mixed": ([1, 9, 1], [40, 9, 17]),
+                 "window": ([1, 9], [40, 30])}
+    else:
+        decode_lens = [1, 15, 16, 17, 100, 511, 512, 513, 1000, 1024, 2047, 2048, 3000, 4000, 4099, 4100]
+        cases = {"decode": ([1] * len(decode_lens), decode_lens),
+                 "prefill": ([1, 17, 64, 300, 513, 2048], [1, 17, 64, 300, 513, 2048]),
+                 "chunked_prefix": ([40, 128, 5, 512], [1064, 528, 21, 4096]),
+                 "mixed": ([1, 37, 1, 1, 200, 1], [900, 37, 17, 3000, 700, 4100]),
+                 "window": ([1, 1, 300], [5000, 100, 4600])}
+    tolerance = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+    correctness = []
+    for shape_name, heads in shapes.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for case_name, (query_lens, seq_lens) in cases.items():
+                window = 4096 if case_name == "window" and not args.smoke else 8 if case_name == "window" else None
+                err = attention_case(query_lens, seq_lens, heads, dtype, window)
+                correctness.append({"op": "attention", "shape": shape_name, "case": case_name,
+                                    "dtype": str(dtype).removeprefix("torch."), "max_abs_err": err,
+                                    "pass": err <= tolerance[dtype]})
+
+    dev = device()
+    g = torch.Generator().manual_seed(0)
+    hidden, inter, head_dim = (64, 128, 16) if args.smoke else (4096, 14336, 128)
+    config = get_hf_config(ModelSource("dummy", "llama-3-8b"))
+    inv_freq, scaling = rope_inv_freq(config, head_dim)
+    rotary = RotaryEmbedding(head_dim, 8192, inv_freq, scaling, torch.bfloat16).to(dev)
+    norm = RMSNorm(hidden, 1e-5, torch.bfloat16).to(dev)
+    norm.weight.data = torch.randn(hidden, generator=g).to(torch.bfloat16).to(dev)
+    # op -> (torch formula, fused kernel, inputs for a number of tokens)
+    ops: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[int], Any]]] = {
+        "rms_norm_residual": (lambda x: norm(x[0], x[1]),
+                              lambda x: triton_ops.rms_norm(x[0], norm.weight, 1e-5, x[1]),
+                              lambda t: [torch.randn(t, hidden, generator=g).to(torch.bfloat16).to(dev)
+                                         for _ in range(2)]),
+        "silu_and_mul": (silu_and_mul, triton_ops.silu_and_mul,
+                         lambda t: torch.randn(t, 2 * inter, generator=g).to(torch.bfloat16).to(dev)),
+        "rotary": (lambda x: apply_rotary(x[0], *x[1]), lambda x: triton_ops.apply_rotary(x[0], *x[1]),
+                   lambda t: (torch.randn(t, 40, head_dim, generator=g).to(torch.bfloat16).to(dev),
+                              rotary(torch.arange(t, device=dev)))),
+    }
+    iters = 5 if args.smoke else 200
+    timings = []
+    for op, (reference, fused, make) in ops.items():
+        for tokens in (1, 256):
+            x = make(tokens)
+            ref_out, fused_out = reference(x), fused(x)
+            ref_t = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+            fused_t = fused_out if isinstance(fused_out, tuple) else (fused_out,)
+            pairs = list(zip(ref_t, fused_t, strict=True))
+            err = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+            close = all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in pairs)
+            correctness.append({"op": op, "tokens": tokens, "dtype": "bfloat16", "max_abs_err": err,
+                                "pass": close})
+            timings.append({"op": op, "tokens": tokens,
+                            "torch_us": time_us(lambda f=reference, x=x: f(x), iters),
+                            "triton_us": time_us(lambda f=fused, x=x: f(x), iters)})
+
+    num_heads, num_kv_heads, hd = shapes["tiny" if args.smoke else "llama-3-8b"]
+    batch, context = (4, 64) if args.smoke else (64, 1024)
+    blocks = -(-context // 16)
+    cache = torch.zeros(2, batch * blocks, 16, num_kv_heads, hd, dtype=torch.bfloat16, device=dev)
+    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(batch)]
+    md = AttentionMetadata.build([1] * batch, [context] * batch, tables, 16, dev)
+    q = torch.randn(batch, num_heads, hd, device=dev, dtype=torch.bfloat16)
+    for name in ("torch", "triton"):
+        backend = get_attention_backend(name)
+        timings.append({"op": f"decode_attention_{name}", "batch": batch, "context": context,
+                        "us": time_us(lambda b=backend: b.paged_attention(q, None, None, cache, md, 0.1), iters)})
+    bandwidth = measure_bandwidth(1 << (24 if args.smoke else 30), device=dev)
+    return {"correctness": correctness, "all_pass": all(c["pass"] for c in correctness), "timings": timings,
+            "measured_bandwidth_gbps": bandwidth / 1e9}
+
+
+# ------------------------------------------------------------------------------------------------- graphs
+
+def section_graphs(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from kilat import LLM, SamplingParams
+
+    rng = np.random.default_rng(3)
+    lengths = [5, 17, 64, 100, 250, 3, 31, 77, 128, 200, 9, 45, 300]
+    prompts = [rng.integers(100, 49000, size=n).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0, max_tokens=16 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    result: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        tokens: dict[bool, list[list[int]]] = {}
+        replays = 0
+        for eager in (True, False):
+            llm = LLM(model_name(args, "smollm2-135m"), load_format="dummy", dtype=dtype, skip_tokenizer_init=True,
+                      enforce_eager=eager, max_model_len=1024, max_num_seqs=32, num_gpu_blocks_override=4096)
+            runner = llm.engine.core.runner
+            if eager != (runner.cuda_graphs is None):
+                raise RuntimeError(f"enforce_eager={eager} but cuda_graphs is {runner.cuda_graphs}")
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            single = llm.generate([prompts[0]], params[0], use_tqdm=False)
+            tokens[eager] = [o.outputs[0].token_ids for o in outs + single]
+            if not eager:
+                replays = runner.cuda_graphs.num_replays
+            del llm, runner
+            gc.collect()
+            torch.cuda.empty_cache()
+        mismatched = [i for i, (a, b) in enumerate(zip(tokens[True], tokens[False], strict=True)) if a != b]
+        result[dtype] = {"equal": not mismatched, "mismatched_requests": mismatched, "graph_replays": replays,
+                         "requests": len(tokens[True])}
+    return result
+
+
+# ------------------------------------------------------------------------------------------ W1 / W2 runs
+
+def w1_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    low, high = (8, 32) if args.smoke else (64, 512)
+    return [rng.integers(100, vocab - 100, size=int(rng.integers(low, high + 1))).tolist()
+            for _ in range(args.w1_requests)]
+
+
+def w2_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    return np.random.default_rng(100 + seed).integers(100, vocab - 100, size=length).tolist()
+
+
+def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    from kilat import LLM, SamplingParams
+    from kilat.bench.mbu import decode_bytes_per_step, measure_bandwidth
+
+    started = time.perf_counter()
+    llm = LLM(model_name(args, model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192)
+    engine = llm.engine
+    runner = engine.core.runner
+    load_s = time.perf_counter() - started
+    vocab = engine.hf_config.vocab_size
+    out_len = args.w2_output_len
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    runs = []
+    for i in range(args.w2_iters + 1):
+        engine.add_request(f"w2-{i}", w2_prompt(vocab, args.w2_input_len, i), params)
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished_requests():
+            if engine.step() and first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if i:  # the first run warms up
+            runs.append({"ttft_s": first - start, "decode_tokens_per_s": (out_len - 1) / (end - first)})
+    w2 = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
+    step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, args.w2_input_len + out_len / 2,
+                                       runner.dtype)
+    measured = measure_bandwidth(1 << (24 if args.smoke else 30), device=runner.device)
+    given = args.bandwidth_gbps * 1e9
+    speed = w2["decode_tokens_per_s"]
+    w2.update({"all_runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in runs],
+               "bytes_per_decode_step": step_bytes, "mbu_given_bandwidth": step_bytes * speed / given,
+               "mbu_measured_bandwidth": step_bytes * speed / measured,
+               "roofline_tokens_per_s_given": given / step_bytes, "measured_bandwidth_gbps": measured / 1e9})
+
+    prompts = w1_prompts(args, vocab)
+    llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    w1_params = SamplingParams(temperature=0, max_tokens=args.w1_output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, w1_params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    if set(lengths) != {args.w1_output_len}:
+        raise RuntimeError(f"kilat W1 generated lengths {sorted(set(lengths))}")
+    graphs = runner.cuda_graphs
+    return {"model": model, "load_s": load_s, "attention_backend": runner.attn_backend.name,
+            "fused_kernels": runner.fused_kernels, "cuda_graph_sizes": graphs.sizes if graphs else None,
+            "num_blocks": runner.num_blocks, "w2": w2,
+            "w1": {"requests": len(prompts), "duration_s": duration, "output_tokens": sum(lengths),
+                   "output_tokens_per_s": sum(lengths) / duration,
+                   "graph_replays": graphs.num_replays if graphs else 0}}
+
+
+def section_hf(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from kilat.model_executor.loader import ModelSource
+    from kilat.model_executor.loader.model_loader import get_hf_config
+
+    dev = device()
+    config = get_hf_config(ModelSource("dummy", model_name(args, model)))
+    started = time.perf_counter()
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.eval()
+    load_s = time.perf_counter() - started
+    vocab = config.vocab_size
+    out_len = args.w2_output_len
+
+    class FirstToken:
+        """A ``generate`` streamer noting when the first new token arrives (the first put is the prompt)."""
+
+        def __init__(self) -> None:
+            self.calls, self.at = 0, None
+
+        def put(self, value: torch.Tensor) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                self.at = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    def generate(prompt: list[int], n: int, streamer: Any = None) -> int:
+        ids = torch.tensor([prompt], device=dev)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0, streamer=streamer)
+        sync()
+        return out.shape[1] - len(prompt)
+
+    generate(w2_prompt(vocab, args.w2_input_len, 0), 16)
+    timer = FirstToken()
+    start = time.perf_counter()
+    generated = generate(w2_prompt(vocab, args.w2_input_len, 1), out_len, timer)
+    end = time.perf_counter()
+    if generated != out_len or timer.at is None:
+        raise RuntimeError(f"HF generate made {generated} tokens, expected {out_len}")
+    w2 = {"ttft_s": timer.at - start, "decode_tokens_per_s": (out_len - 1) / (end - timer.at)}
+
+    def config_for(n: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    prompts = w1_prompts(args, vocab)
+    with torch.inference_mode():
+        hf.generate_batch(inputs=prompts[:8], generation_config=config_for(8))
+        sync()
+        start = time.perf_counter()
+        results = hf.generate_batch(inputs=prompts, generation_config=config_for(args.w1_output_len))
+        sync()
+    duration = time.perf_counter() - start
+    lengths = [len(r.generated_tokens) for r in results.values()]
+    if len(lengths) != len(prompts) or set(lengths) != {args.w1_output_len}:
+        raise RuntimeError(f"HF generate_batch returned {len(lengths)} requests of lengths {sorted(set(lengths))}")
+    return {"model": model, "load_s": load_s, "w2_generate": w2,
+            "w1_generate_batch": {"requests": len(prompts), "duration_s": duration, "output_tokens": sum(lengths),
+                                  "output_tokens_per_s": sum(lengths) / duration}}
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "kernels": section_kernels,
+    "graphs": section_graphs,
+    **{f"kilat-{m}": (lambda a, m=m: section_kilat(a, m)) for m in MODELS},
+    **{f"hf-{m}": (lambda a, m=m: section_hf(a, m)) for m in MODELS},
+}
+
+
+# --------------------------------------------------------------------------------------------- the driver
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Issue 5's targets, each ``{"value", "target", "met"}`` (``met`` is ``None`` when a section failed)."""
+    def get(*keys: str) -> Any:
+        node: Any = results
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    def check(value: Any, target: float | bool) -> dict[str, Any]:
+        met = None if value is None else (value == target if isinstance(target, bool) else value >= target)
+        return {"value": value, "target": target, "met": met}
+
+    summary = {"kernels match the torch reference": check(get("kernels", "all_pass"), True),
+               "greedy float32 equal with CUDA graphs on and off": check(get("graphs", "float32", "equal"), True)}
+    for model in MODELS:
+        summary[f"{model} W2 decode tokens/s"] = check(get(f"kilat-{model}", "w2", "decode_tokens_per_s"),
+                                                         TARGETS.get(f"{model} W2 decode tokens/s", 0.0))
+        kilat_w1 = get(f"kilat-{model}", "w1", "output_tokens_per_s")
+        hf_w1 = get(f"hf-{model}", "w1_generate_batch", "output_tokens_per_s")
+        ratio = kilat_w1 / hf_w1 if kilat_w1 and hf_w1 else None
+        summary[f"{model} W1 kilat / HF generate_batch"] = check(ratio, TARGETS["W1 kilat / HF generate_batch"])
+    return summary
+
+
+def run_section(name: str, args: argparse.Namespace, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name,
+           "--w1-requests", str(args.w1_requests), "--w1-output-len", str(args.w1_output_len),
+           "--w2-input-len", str(args.w2_input_len), "--w2-output-len", str(args.w2_output_len),
+           "--w2-iters", str(args.w2_iters), "--bandwidth-gbps", str(args.bandwidth_gbps)]
+    if args.smoke:
+        cmd.append("--smoke")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if not torch.cuda.is_available():
+        env.setdefault("TRITON_INTERPRET", "1")
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        return {"error": f"timed out after {timeout_s:.0f} s",
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    elapsed = time.perf_counter() - started
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return {**json.loads(line[len(MARK):]), "section_s": elapsed}
+    return {"error": f"exit status {proc.returncode}", "section_s": elapsed, "stderr_tail": proc.stderr[-3000:]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_check.json or stdout only)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--section", choices=SECTIONS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests)")
+    parser.add_argument("--budget-s", type=float, default=470.0, help="wall-clock limit for all sections")
+    parser.add_argument("--w1-requests", type=int, default=None, help="default 256 (8 with --smoke)")
+    parser.add_argument("--w1-output-len", type=int, default=None, help="default 256 (8 with --smoke)")
+    parser.add_argument("--w2-input-len", type=int, default=None, help="default 128 (16 with --smoke)")
+    parser.add_argument("--w2-output-len", type=int, default=None, help="default 256 (8 with --smoke)")
+    parser.add_argument("--w2-iters", type=int, default=3)
+    parser.add_argument("--bandwidth-gbps", type=float, default=4270.0,
+                        help="peak memory bandwidth for MBU (the H200's measured 4.27 TB/s)")
+    args = parser.parse_args(argv)
+    defaults = {"w1_requests": (256, 8), "w1_output_len": (256, 8), "w2_input_len": (128, 16),
+                "w2_output_len": (256, 8)}
+    for name, (full, smoke) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.section:
+        print(MARK + json.dumps(RUNNERS[args.section](args)), flush=True)
+        return 0
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; known: {SECTIONS}")
+    out = args.out or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT)
+    report: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "smoke": args.smoke, "commit": commit.stdout.strip() or None,
+        "settings": {k: getattr(args, k) for k in ("w1_requests", "w1_output_len", "w2_input_len",
+                                                   "w2_output_len", "w2_iters", "bandwidth_gbps")},
+        "sections": {}}
+    deadline = time.perf_counter() + args.budget_s
+    for name in sections:
+        remaining = deadline - time.perf_counter()
+        if remaining < 10:
+            report["sections"][name] = {"error": "skipped: out of --budget-s"}
+            continue
+        print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
+        report["sections"][name] = run_section(name, args, min(TIMEOUTS_S[name], remaining))
+        report["summary"] = summarize(report["sections"])
+        if out:
+            Path(out).write_text(json.dumps(report, indent=2))
+    report["summary"] = summarize(report["sections"])
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

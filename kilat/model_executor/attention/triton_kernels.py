@@ -1,0 +1,186 @@
+"""Triton kernels of the paged-attention backend: KV write, split-K decode, its reduction, and varlen extend.
+
+Every kernel reads the paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` through the
+block table, so a tile of ``BLOCK_N`` keys may span several KV blocks. Scores and the softmax run in
+float32 with the online-softmax recurrence of FlashAttention (Dao et al., 2022); decode splits the context
+into partitions reduced afterwards (flash-decoding, Dao et al., 2023). Query heads that share a KV head
+(grouped-query attention, Ainslie et al., 2023) are packed into the rows of one tile, so each key tile is
+loaded once per KV head. Launch them through :mod:`kilat.model_executor.attention.triton_backend`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NO_WINDOW = 1 << 30
+"""The ``window`` argument of a layer without sliding-window attention (longer than any context)."""
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` in float32. ``UPCAST`` multiplies float32 copies: Triton's interpreter gets 16-bit products
+    wrong, so the CPU tests set it; compiled kernels multiply 16-bit inputs on tensor cores."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                    values_offset, stride_slot,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One program per new token: copy its keys and values to its slot (slots < 0 are padding, skipped)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (heads * 0 + slot >= 0)
+    k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
+    dst = cache_ptr + slot * stride_slot + heads * HEAD_DIM + dims
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + values_offset, v, mask=mask)
+
+
+@triton.jit
+def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, scale,
+                  stride_qt, stride_qh, stride_bt, values_offset, stride_block, stride_tok,
+                  stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, window,
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid ``(num_seqs, num_kv_heads, num_splits)``: the ``GROUP`` query heads of one KV head of one
+    sequence (one new token) over context partition ``split``; writes the normalized partial output and its
+    log-sum-exp (``-inf`` for an empty partition, e.g. a padded sequence with ``seq_len == 0``).
+
+    The token at position ``p`` sees keys ``p - window < j <= p`` (``window`` = ``NO_WINDOW`` for all of them).
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = tl.maximum(split * PARTITION, seq_len - window)
+    hi = tl.minimum(seq_len, (split + 1) * PARTITION)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(start, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = (offs >= lo) & (offs < hi)
+        block = tl.load(block_table_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + values_offset + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(part_out_ptr + seq * stride_po_t + heads[:, None] * stride_po_h + split * stride_po_s + d[None, :],
+             out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + seq * stride_pl_t + heads * stride_pl_h + split, lse, mask=g_mask)
+
+
+@triton.jit
+def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                         stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid ``(num_seqs, num_heads)``: combine the partitions by their log-sum-exp (0 if all are empty)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + seq * stride_pl_t + head * stride_pl_h + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    total = tl.sum(w, 0)
+    part = tl.load(part_out_ptr + seq * stride_po_t + head * stride_po_h + s[:, None] * stride_po_s + d[None, :],
+                   mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def extend_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr,
+                  tile_start_ptr, out_ptr, scale, stride_qt, stride_qh, stride_bt, values_offset, stride_block,
+                  stride_tok, stride_ot, stride_oh, window,
+                  GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid ``(num_tiles, num_kv_heads)``: tile ``i`` holds new tokens ``tile_start[i] ..`` (at most
+    ``TILE_TOKENS``) of request ``tile_req[i]``; row ``m`` is token ``m // GROUP``, query head
+    ``kv_head * GROUP + m % GROUP``. Causal over the paged context: the token at position ``p`` (its request's
+    context length + its index among the new tokens) sees keys ``p - window < j <= p`` (``window`` =
+    ``NO_WINDOW`` for all of them). The new keys must already be in the cache.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first = tl.load(tile_start_ptr + tile)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TILE_TOKENS * GROUP) & (token < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    pos = context_len + token
+
+    last = tl.minimum(first + TILE_TOKENS, q_len) - 1
+    hi = context_len + last + 1
+    lo = tl.maximum(0, context_len + first - window + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(start, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = (offs >= lo) & (offs < hi)
+        block = tl.load(block_table_ptr + req * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+        allowed = valid[None, :] & (offs[None, :] <= pos[:, None]) & (offs[None, :] > pos[:, None] - window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + values_offset + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])

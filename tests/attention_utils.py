@@ -1,0 +1,72 @@
+"""Helpers shared by the attention backend tests: random paged contexts and a dense float64 oracle."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
+from kilat.model_executor.attention.backends import TORCH_BACKEND, AttentionBackend
+
+
+def block_tables(seq_lens: list[int], block_size: int, generator: torch.Generator) -> tuple[list[list[int]], int]:
+    """Shuffled, non-contiguous block ids for each request; returns (tables, num_blocks)."""
+    counts = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(counts) + 3
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, i = [], 0
+    for c in counts:
+        tables.append(perm[i:i + c])
+        i += c
+    return tables, num_blocks
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
+                    window: int | None) -> torch.Tensor:
+    """Dense causal attention of q [Q, H, D] (positions context_len..) over k, v [S, KH, D] (positions 0..)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,shd->hqs", q.double(), k.double()) * scale
+    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
+    kpos = torch.arange(k.shape[0])[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+                       window: int | None = None, head_dim: int = 16, seed: int = 0, block_size: int = 4,
+                       backend: AttentionBackend = TORCH_BACKEND, dtype: torch.dtype = torch.float32) -> None:
+    """Fill the cache with each request's context, run one step with ``backend``, compare every request to
+    :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    tables, num_blocks = block_tables(seq_lens, block_size, g)
+    (kv_cache,) = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    # Context (everything but the new tokens) is already in the cache from earlier steps.
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    for table, s, q, k, v in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
+        for p in range(s - q):
+            slot = table[p // block_size] * block_size + p % block_size
+            flat[0, slot], flat[1, slot] = k[p], v[p]
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
+    key = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
+    value = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
+    scale = head_dim ** -0.5
+
+    backend.write_kv(kv_cache, key, value, md.slot_mapping)
+    out = backend.paged_attention(query, key, value, kv_cache, md, scale, window)
+
+    assert out.shape == query.shape and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    starts = md.query_start_loc.tolist()
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        expected = naive_attention(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, scale, window)
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]].float(), expected.float(), atol=tolerance,
+                                   rtol=tolerance)

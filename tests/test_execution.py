@@ -1,0 +1,96 @@
+"""Execution settings: attention backend choice, CUDA-graph batch sizes, token-id-only engines, gpu_check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kilat import LLM, EngineArgs, SamplingParams
+from kilat.model_executor.attention.backends import resolve_attention_backend
+from kilat.model_executor.cuda_graphs import capture_sizes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4) == [1, 2, 4]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(128) == [1, 2, 4] + list(range(8, 129, 8))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
+
+
+def test_attention_backend_choice() -> None:
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("torch", "cuda") == "torch"
+    assert resolve_attention_backend("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 (conftest)
+    config = EngineArgs(attention_backend="triton", enforce_eager=True).create_engine_config()
+    assert (config.execution.attention_backend, config.execution.enforce_eager) == ("triton", True)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineArgs(attention_backend="flash").create_engine_config()
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_attention_backend("triton", "cpu")
+
+
+def test_skip_tokenizer_init_generates_the_same_token_ids(tiny_llama_dir: str) -> None:
+    prompt = [1, 523, 4016, 314, 253, 1123]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with_tokenizer = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    expected = with_tokenizer.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=16 << 20, skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and expected.text and out.text == ""
+    assert len(out.logprobs) == 10 and all(lp.decoded_token is None for lp in out.logprobs[0].values())
+    with pytest.raises(ValueError, match="prompt: a text prompt needs a tokenizer"):
+        llm.generate(["Hello"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
+        llm.generate([prompt], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="messages: chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_dummy_preset_without_tokenizer_runs_with_skip_tokenizer_init(tmp_path: Path) -> None:
+    config = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 64, "eos_token_id": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM(str(path), load_format="dummy")
+    llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32", kv_cache_memory=1 << 20)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py runs every section on tiny shapes (Triton interpreted on CPU) and reports."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert set(sections) == {"kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
+                             "hf-smollm2-135m"}
+    assert not [name for name, s in sections.items() if "error" in s], sections
+    assert sections["kernels"]["all_pass"] is True
+    assert {c["case"] for c in sections["kernels"]["correctness"] if c["op"] == "attention"} == {
+        "decode", "prefill", "chunked_prefix", "mixed", "window"}
+    for model in ("llama-3-8b", "smollm2-135m"):
+        assert sections[f"kilat-{model}"]["w1"]["output_tokens"] == 8 * 8
+        assert sections[f"hf-{model}"]["w1_generate_batch"]["output_tokens"] == 8 * 8
+        assert report["summary"][f"{model} W1 kilat / HF generate_batch"]["value"] > 0
+    assert report["summary"]["kernels match the torch reference"]["met"] is True
