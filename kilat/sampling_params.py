@@ -7,9 +7,68 @@ request enters the engine (:mod:`kilat.engine.input_processor`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text) the output must match (OpenAI ``json_schema``).
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's dialect, rule ``root``) the output must match.
+        json_object: the output is any JSON object (OpenAI ``{"type": "json_object"}``).
+
+    Raises:
+        ValueError: when no field or several are set, or a field has the wrong type. Whether a schema,
+            regex or grammar is valid is checked when the request enters the engine.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {set_fields or 'none'}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec text): equal constraints share one compiled grammar."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass
@@ -38,6 +97,7 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the text.
         spaces_between_special_tokens: put spaces around special tokens in the text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (xgrammar).
     """
 
     n: int = 1
@@ -60,6 +120,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +183,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of token ids >= 0")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             raise bad("logit_bias", "a map of token id to a bias in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -395,6 +396,21 @@ LONG_PROMPT = "hello " * 2100
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "surrogate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "2048"),
     ("/v1/completions", {"prompt": [True, False]}, "prompt", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "structured_outputs", "invalid JSON schema: Unsupported type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format", "'xml'"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a(b"}}, "structured_outputs",
+     "invalid regex"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= "}}, "structured_outputs",
+     "invalid grammar"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs", "exactly one"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"jsonschema": {}}}, "structured_outputs",
+     "unknown keys"),
 ])
 def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
                             needle: str) -> None:
@@ -512,3 +528,33 @@ def test_usage_counters_agree_with_responses(server: Server, client: openai.Open
     after = metrics(server)
     assert after["kilat:generation_tokens_total"] - before["kilat:generation_tokens_total"] == 14
     assert after["kilat:prompt_tokens_total"] - before["kilat:prompt_tokens_total"] == r.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(client: openai.OpenAI, stream: bool) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    text, reason = chat_text(client, "Name a big city and its population, in JSON.", stream, max_tokens=80,
+                             response_format=fmt)
+    assert reason == "stop"
+    value = json.loads(text)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    assert (text, reason) == chat_text(client, "Name a big city and its population, in JSON.", not stream,
+                                       max_tokens=80, response_format=fmt)
+
+
+def test_structured_outputs_extra_and_json_object(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The year the Berlin wall fell:", max_tokens=10,
+                                  temperature=0, extra_body={"structured_outputs": {"regex": "19[0-9]{2}"}})
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch("19[0-9]{2}", r.choices[0].text)
+    r = client.chat.completions.create(model=MODEL, max_tokens=10, temperature=0, messages=[
+        {"role": "user", "content": "Is water wet?"}], extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    text, reason = chat_text(client, 'Give a JSON object with one key "animal".', False, max_tokens=60,
+                             response_format={"type": "json_object"})
+    assert reason == "stop" and isinstance(json.loads(text), dict)
+    text, reason = chat_text(client, "Give a JSON object describing a cat.", False, max_tokens=4,
+                             response_format={"type": "json_object"})
+    assert reason == "length"

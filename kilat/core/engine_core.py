@@ -5,14 +5,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
+from kilat.engine.tokenizer import get_tokenizer
 from kilat.metrics.stats import EngineStats, StepStats
+from kilat.model_executor.loader import resolve_model_source
 from kilat.model_executor.model_runner import ModelRunner
 from kilat.outputs import PositionLogprobs, RequestMetrics
+
+if TYPE_CHECKING:
+    from kilat.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("kilat")
 
@@ -70,6 +76,7 @@ class EngineCore:
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.stats = EngineStats()
+        self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d)",
                     self.runner.num_blocks, config.cache.block_size,
                     self.runner.num_blocks * config.cache.block_size, self.max_model_len)
@@ -87,7 +94,20 @@ class EngineCore:
         for core_request in group:
             request = Request.from_core_request(core_request, leader)
             leader = leader or request
+            if core_request.sampling_params.structured_outputs is not None:
+                request.grammar = self._structured_outputs().submit(core_request.sampling_params.structured_outputs)
             self.scheduler.add_request(request)
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler, made on the first constrained request (xgrammar is imported only then)."""
+        if self.structured_outputs is None:
+            from kilat.structured_outputs.manager import StructuredOutputManager
+
+            model = self.config.model
+            source = resolve_model_source(model.model, model.load_format)
+            self.structured_outputs = StructuredOutputManager(lambda: get_tokenizer(model.tokenizer or source),
+                                                              self.runner.hf_config.vocab_size)
+        return self.structured_outputs
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -116,6 +136,9 @@ class EngineCore:
             StepFailed: the model raised; the step's requests are aborted and the prefix cache cleared.
         """
         start = time.perf_counter()
+        # A grammar that compiles with an error ends its request here, in order, with finish reason "abort".
+        outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort")
+                   for r in self.abort_requests(self.scheduler.failed_grammars())]
         sched = self.scheduler.schedule()
         try:
             results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
@@ -130,7 +153,6 @@ class EngineCore:
         sampled = {rid: token for rid, (token, _) in results.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
 
-        outputs = []
         for request, _ in sched.scheduled:
             rid = request.request_id
             if rid not in results:

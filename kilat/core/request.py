@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kilat.outputs import PositionLogprobs, RequestMetrics
 from kilat.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kilat.structured_outputs.manager import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -96,6 +100,7 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
+        self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
@@ -123,9 +128,11 @@ class Request:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
-        """Record one sampled token."""
+        """Record one sampled token (and advance the request's grammar, if it has one)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, stop id, length).
@@ -143,6 +150,13 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
+        if self.grammar is not None and self.grammar.terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if self.grammar is not None and self.grammar.rejected:
+            # Only reachable when another rule (e.g. min_tokens masking EOS) left the grammar no token.
+            self.status = RequestStatus.FINISHED_ABORTED
+            return True
         if (self.max_tokens is not None and self.num_output_tokens >= self.max_tokens) or \
                 self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

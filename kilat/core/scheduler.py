@@ -83,6 +83,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        request.grammar = None
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.time()
 
@@ -95,6 +96,11 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim
+
+    def failed_grammars(self) -> list[str]:
+        """Ids of waiting requests whose grammar failed to compile (the engine core aborts them)."""
+        return [r.request_id for r in self.waiting
+                if r.grammar is not None and r.grammar.ready and r.grammar.error is not None]
 
     def _waits_for_leader(self, request: Request) -> bool:
         """A sibling of an ``n > 1`` request waits until its leader's prompt is cached (unless it wants
@@ -130,7 +136,7 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if self._waits_for_leader(request):
+            if self._waits_for_leader(request) or (request.grammar is not None and not request.grammar.ready):
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)

@@ -92,7 +92,7 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
-                too many logprobs, stop strings without a tokenizer).
+                too many logprobs, stop strings without a tokenizer, an invalid structured-outputs spec).
         """
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
@@ -109,6 +109,12 @@ class InputProcessor:
                 raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size}), got {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: needs a tokenizer (the engine runs with skip_tokenizer_init)")
+            from kilat.structured_outputs.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

@@ -166,7 +166,12 @@ class ModelRunner:
             return {}
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        out = self.sampler(logits, sample_reqs)
+        bitmask = None
+        if any(r.grammar is not None for r in sample_reqs):
+            from kilat.structured_outputs.manager import build_bitmask
+
+            bitmask = build_bitmask([r.grammar for r in sample_reqs], logits.shape[-1])
+        out = self.sampler(logits, sample_reqs, bitmask)
         return {r.request_id: (tok, lp) for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs,
                                                               strict=True)}
 

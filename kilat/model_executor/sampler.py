@@ -9,7 +9,8 @@ The processing order follows vLLM:
 3. Penalties: the CTRL repetition penalty (Keskar et al. 2019, "CTRL: A Conditional Transformer Language
    Model for Controllable Generation", eq. 1) over prompt and output tokens divides positive logits and
    multiplies negative ones; the OpenAI frequency penalty subtracts ``frequency_penalty * count`` and the
-   presence penalty ``presence_penalty * (count > 0)``, counting output tokens only.
+   presence penalty ``presence_penalty * (count > 0)``, counting output tokens only. Then structured
+   outputs' token bitmask (xgrammar) sets the tokens their grammar forbids to ``-inf``.
 4. Greedy rows (``temperature < 1e-5``) take the argmax.
 5. Other rows: temperature, top-k, top-p (nucleus), min-p, then a sample drawn by the exponential race
    ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (drawn as ``-log U``), which picks token ``i`` with
@@ -50,7 +51,8 @@ class Sampler:
     Stateless: all per-request state (parameters, token history, generator) comes from the requests.
     """
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample the next token of every request.
 
         Args:
@@ -58,15 +60,21 @@ class Sampler:
                 modified.
             requests: ``B`` requests supplying ``sampling_params``, ``prompt_token_ids``,
                 ``output_token_ids``, ``generator`` and ``eos_token_id``.
+            bitmask: structured outputs' allowed tokens, int32 ``[B, ceil(V / 32)]`` (xgrammar's layout),
+                applied after the penalties; ``None`` when no row is constrained.
 
         Returns:
             A :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
         """
-        if all(_is_plain_greedy(r) for r in requests):
+        if bitmask is None and all(_is_plain_greedy(r) for r in requests):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         processed = apply_logit_bias(logits, requests)
         processed = apply_min_tokens(processed, requests)
         processed = apply_penalties(processed, requests)
+        if bitmask is not None:
+            from kilat.structured_outputs.manager import apply_bitmask
+
+            processed = apply_bitmask(processed, bitmask)
         tokens = _sample(processed, requests)
         return SamplerOutput(tokens.tolist(), _sample_logprobs(logits, tokens, requests))
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kilat.engine.input_processor import MAX_LOGPROBS
-from kilat.sampling_params import SamplingParams
+from kilat.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 """Most choices per prompt (OpenAI's limit)."""
@@ -56,6 +56,39 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (json, regex, choice, grammar,
+        json_object) as :class:`StructuredOutputsParams`.
+
+        Raises:
+            ValueError: an unknown ``response_format`` type, a ``json_schema`` without a ``schema`` object,
+                unknown ``structured_outputs`` keys, or both fields at once.
+        """
+        from_format = None
+        if self.response_format is not None:
+            kind = self.response_format.get("type", "text")
+            if kind == "json_object":
+                from_format = StructuredOutputsParams(json_object=True)
+            elif kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+                from_format = StructuredOutputsParams(json=schema)
+            elif kind != "text":
+                raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise ValueError("give either response_format or structured_outputs, not both")
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = sorted(set(self.structured_outputs) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown keys {unknown}; known: {sorted(known)}")
+        return StructuredOutputsParams(**self.structured_outputs)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -80,7 +113,8 @@ class _SamplingRequest(BaseModel):
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self._structured_outputs())
 
     @property
     def include_usage(self) -> bool:
@@ -187,7 +221,6 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -196,8 +229,6 @@ class ChatCompletionRequest(_SamplingRequest):
         Raises:
             ValueError: an unsupported or out-of-range field, named.
         """
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

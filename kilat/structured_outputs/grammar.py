@@ -1,0 +1,66 @@
+"""From a :class:`~kilat.sampling_params.StructuredOutputsParams` to an xgrammar grammar (Dong et al., 2024,
+"XGrammar: Flexible and Efficient Structured Generation Engine for Large Language Models")."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import xgrammar as xgr
+
+from kilat.sampling_params import StructuredOutputsParams
+
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+"""xgrammar's ``[time] file.cc:line: `` prefix on error messages."""
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (each a double-quoted literal)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Parse the constraint without a tokenizer, so a bad one is refused before it enters the engine.
+
+    Raises:
+        ValueError: naming the field: a schema that is not JSON or that xgrammar cannot convert, an invalid
+            regex, or an EBNF grammar that does not parse.
+    """
+    kind, _ = params.key
+    try:
+        if kind == "json":
+            text = _schema_text(params.json)
+            json.loads(text)
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(params.regex)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(params.grammar)
+    except (ValueError, RuntimeError, TypeError) as e:
+        lines = str(e).strip().splitlines()
+        reason = _LOCATION.sub("", lines[-1]) if lines else type(e).__name__
+        raise ValueError(f"structured_outputs.{kind}: invalid {kind.replace('json', 'JSON schema')}: {reason}") from e
+
+
+def compile_grammar(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """Compile the constraint for ``compiler``'s tokenizer (the compiler caches by grammar).
+
+    JSON is compact (no free whitespace between tokens), so a small model cannot wander in whitespace.
+    """
+    kind, _ = params.key
+    if kind == "json":
+        return compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "regex":
+        return compiler.compile_regex(params.regex)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_ebnf(params.choice))
+    return compiler.compile_grammar(params.grammar)
