@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     srv = Server("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-                 "--max-request-body-bytes", str(MAX_BODY))
+                 "--max-request-body-bytes", str(MAX_BODY), "--tool-call-parser", "hermes")
     yield srv
     srv.stop()
 
@@ -558,3 +558,85 @@ def test_structured_outputs_extra_and_json_object(client: openai.OpenAI) -> None
     text, reason = chat_text(client, "Give a JSON object describing a cat.", False, max_tokens=4,
                              response_format={"type": "json_object"})
     assert reason == "length"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                           "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def _tool_calls(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool, **kwargs: Any
+                ) -> tuple[list[tuple[str, dict]], str | None, str | None]:
+    """((name, arguments) per call, finish_reason, content) of a greedy chat with TOOLS; stream deltas are
+    checked and joined. Every call has a call_ id and arguments valid for its tool's schema."""
+    import jsonschema
+
+    if not stream:
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                                           max_tokens=80, **kwargs)
+        message = r.choices[0].message
+        calls, reason, content = message.tool_calls or [], r.choices[0].finish_reason, message.content
+    else:
+        calls, reasons, pieces = [], [], []
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                                                    max_tokens=80, stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            calls += delta.tool_calls or []
+            pieces.append(delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
+        assert [c.index for c in calls] == list(range(len(calls)))
+        reason, content = reasons[-1], "".join(pieces) or None
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    parsed = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    for name, arguments in parsed:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    return parsed, reason, content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named(client: openai.OpenAI, stream: bool) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    calls, reason, content = _tool_calls(client, messages, stream, tool_choice="required")
+    assert reason == "tool_calls" and content is None and calls[0] == (
+        "get_weather", {"city": "Paris", "unit": "celsius"})
+    assert (calls, reason) == _tool_calls(client, messages, not stream, tool_choice="required")[:2]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    calls, reason, _ = _tool_calls(client, messages, stream, tool_choice=named)
+    assert reason == "tool_calls" and len(calls) == 1 and calls[0][0] == "get_time"
+    calls, reason, content = _tool_calls(client, messages, stream, tool_choice="none")
+    assert calls == [] and reason == "length" and content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_hermes_calls(client: openai.OpenAI, stream: bool) -> None:
+    # SmolLM2's template has no tools: they go into a system message; one example call shows the format.
+    example = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}</tool_call>'
+    messages = [{"role": "user", "content": "What is the weather in Rome?"},
+                {"role": "assistant", "content": example},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    calls, reason, content = _tool_calls(client, messages, stream)
+    assert reason == "tool_calls" and content is None
+    assert [name for name, _ in calls] == ["get_weather"] and calls[0][1]["city"] == "Paris"
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "fly"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "always"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+])
+def test_bad_tools_are_400(server: Server, body: dict[str, Any], param: str, needle: str) -> None:
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                              **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
+    assert_healthy(server)

@@ -110,7 +110,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     config = ServerConfig(host=ns.host, port=ns.port, served_model_name=ns.served_model_name or [],
                           api_key=ns.api_key, max_request_body_bytes=ns.max_request_body_bytes,
                           trust_request_chat_template=ns.trust_request_chat_template,
-                          uvicorn_log_level=ns.uvicorn_log_level,
+                          tool_call_parser=ns.tool_call_parser, uvicorn_log_level=ns.uvicorn_log_level,
                           disable_uvicorn_access_log=ns.disable_uvicorn_access_log)
     run_server(engine_args_from(ns), config)
 
@@ -127,6 +127,8 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get HTTP 413")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in chat requests (it runs on the server)")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                        help="parse tool calls in tool_choice='auto' outputs (hermes: <tool_call>{...}</tool_call>)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -37,6 +37,7 @@ from kilat.entrypoints.openai.protocol import (
 from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kilat.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("kilat")
@@ -58,6 +59,8 @@ class ServerConfig:
             ``/detokenize``.
         max_request_body_bytes: larger request bodies get 413 (bytes).
         trust_request_chat_template: accept a ``chat_template`` in chat requests (it runs on the server).
+        tool_call_parser: how ``tool_choice: "auto"`` outputs are parsed for tool calls (``"hermes"``), or
+            ``None`` (then ``auto`` is refused; ``required`` and named choices work without it).
         uvicorn_log_level: uvicorn's log level.
         disable_uvicorn_access_log: do not log one line per HTTP request.
 
@@ -71,6 +74,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
 
@@ -81,6 +85,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
 
 
 def default_model_name(model: str | None) -> str:
@@ -207,7 +213,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     """The FastAPI application serving ``engine``; its shutdown stops the engine-core process."""
     names = config.served_model_name or [default_model_name(engine.config.model.model)]
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template)
+    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template, config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -222,6 +222,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         """Validated :class:`SamplingParams`.
@@ -229,8 +231,6 @@ class ChatCompletionRequest(_SamplingRequest):
         Raises:
             ValueError: an unsupported or out-of-range field, named.
         """
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:

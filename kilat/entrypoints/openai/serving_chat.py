@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from kilat.entrypoints.openai.serving import (
     sse,
     usage,
 )
+from kilat.entrypoints.openai.tool_calls import ToolPlan, plan_tools, tools_system_prompt
 from kilat.outputs import CompletionOutput, Logprob, RequestOutput
 from kilat.sampling_params import SamplingParams
 
@@ -32,13 +34,16 @@ class OpenAIServingChat(OpenAIServing):
         engine: the running engine.
         served_model_names: names clients may use in ``model``.
         trust_request_chat_template: accept a ``chat_template`` in the request body (it runs on the server).
+        tool_call_parser: the parser of ``tool_choice: "auto"`` outputs (see :mod:`.tool_calls`), or ``None``.
     """
 
     prefix = "chatcmpl"
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
+                 tool_call_parser: str | None = None):
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser
 
     def _token_logprob(self, token_id: int, lp: Logprob) -> dict[str, Any]:
         return {"token": lp.decoded_token or "", "logprob": clamp_logprob(lp.logprob),
@@ -59,8 +64,9 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item)
         return {"content": content}
 
-    async def render(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
-        """The conversation rendered by the model's chat template (in the tokenizer thread).
+    async def render(self, request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None) -> str:
+        """The conversation rendered by the model's chat template (in the tokenizer thread), with the tools
+        of ``plan``: passed to a template that uses them, else described in a system message.
 
         Raises:
             ValueError: malformed messages, a failing template, or a request template that is not trusted.
@@ -70,10 +76,44 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError("chat_template in the request is not allowed; start the server with "
                              "--trust-request-chat-template to allow it")
         messages = [m.to_template_dict() for m in request.messages or []]
+        kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+        if plan is not None and plan.choice != "none":
+            tools = [{"type": "function", "function": f} for f in plan.tools]
+            if "tools" in str(template or self.engine.input_processor.tokenizer.chat_template or ""):
+                kwargs["tools"] = tools
+            elif messages and messages[0]["role"] == "system":
+                described = f"{messages[0]['content']}\n\n{tools_system_prompt(plan.tools)}"
+                messages[0] = {**messages[0], "content": described}
+            else:
+                messages.insert(0, {"role": "system", "content": tools_system_prompt(plan.tools)})
         return await self.engine.in_tokenizer_thread(
             self.engine.input_processor.apply_chat_template, messages, request.add_generation_prompt,
-            getattr(request, "continue_final_message", False), template,
-            **(getattr(request, "chat_template_kwargs", None) or {}))
+            getattr(request, "continue_final_message", False), template, **kwargs)
+
+    def _plan(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan | None, SamplingParams]:
+        """The request's tool plan, and its sampling parameters with the plan's constraint.
+
+        Raises:
+            ValueError: invalid tools or tool_choice, or a constraining tool_choice with response_format.
+        """
+        plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_call_parser)
+        constraint = plan.constraint() if plan is not None else None
+        if constraint is None:
+            return plan, params
+        if params.structured_outputs is not None:
+            raise ValueError("tool_choice 'required' or a named function cannot be combined with "
+                             "response_format or structured_outputs")
+        return plan, dataclasses.replace(params, structured_outputs=constraint)
+
+    def _message(self, plan: ToolPlan | None, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished choice (content and ``tool_calls``) and its finish reason
+        (``tool_calls`` when the model called tools)."""
+        content, calls = plan.extract(completion.text, self.tool_call_parser) if plan else (completion.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, completion.finish_reason
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
 
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """A whole response, or an :class:`EventStream` when ``stream``.
@@ -83,21 +123,55 @@ class OpenAIServingChat(OpenAIServing):
         """
         model = self.check_model(request.model)
         try:
-            params = request.to_sampling_params()
-            prompt = await self.render(request)
+            plan, params = self._plan(request, request.to_sampling_params())
+            prompt = await self.render(request, plan)
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
         streams = await self.start(response_id, [prompt], params, False, _FIELDS)
         if request.stream:
+            if plan is not None and plan.choice != "none":
+                return EventStream(self._stream_tools(request, model, response_id, streams[0], plan), streams)
             return EventStream(self._stream(request, model, response_id, streams[0], params), streams)
         (output,) = await self.final_outputs(streams)
         num_top = request.top_logprobs or 0
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self._message(plan, c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": created(), "model": model,
                 "choices": choices, "usage": usage([output])}
+
+    async def _stream_tools(self, request: ChatCompletionRequest, model: str, response_id: str,
+                            stream: RequestStream, plan: ToolPlan) -> AsyncIterator[str]:
+        """SSE chunks of a request that may call tools: a role chunk per choice, then, once the output is
+        complete (a call is known only when its JSON is whole), one chunk per choice with its content and
+        ``tool_calls`` deltas and its finish reason; then usage (when asked) and ``[DONE]``."""
+        base: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created(),
+                                "model": model}
+        if request.include_usage:
+            base["usage"] = None
+        for i in range(request.n):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        try:
+            (final,) = await self.final_outputs([stream])
+        except APIError as e:
+            yield sse(e.body())
+            yield sse("[DONE]")
+            return
+        for c in final.outputs:
+            message, finish_reason = self._message(plan, c)
+            delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
+            yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                            "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
+        if request.include_usage:
+            yield sse({**base, "choices": [], "usage": usage([final])})
+        yield sse("[DONE]")
 
     async def _stream(self, request: ChatCompletionRequest, model: str, response_id: str, stream: RequestStream,
                       params: SamplingParams) -> AsyncIterator[str]:
