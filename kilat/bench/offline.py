@@ -99,7 +99,8 @@ def cmd_latency(ns: argparse.Namespace) -> None:
     runner = engine.core.runner
     step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, ns.input_len + ns.output_len / 2,
                                        runner.dtype)
-    bandwidth = ns.memory_bandwidth_gbps * 1e9 if ns.memory_bandwidth_gbps else measure_bandwidth()
+    bandwidth = ns.memory_bandwidth_gbps * 1e9 if ns.memory_bandwidth_gbps else measure_bandwidth(
+        device=runner.device)
     _write({"workload": "W2", "input_len": ns.input_len, "output_len": ns.output_len, **best,
             "decode_tokens_per_s_all": [r["decode_tokens_per_s"] for r in runs],
             "bytes_per_decode_step": step_bytes, "memory_bandwidth_gbps": bandwidth / 1e9,

@@ -71,7 +71,7 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
-        query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -79,7 +79,7 @@ class CUDAGraphRunner:
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                meta = AttentionMetadata(query_start_loc[:size + 1], self.seq_lens[:size], self.block_table[:size],
+                meta = AttentionMetadata(self.query_start_loc[:size + 1], self.seq_lens[:size], self.block_table[:size],
                                          self.slot_mapping[:size], max_query_len=1, max_seq_len=max_model_len,
                                          block_size=block_size, num_decode_tokens=size)
                 with set_forward_context(ForwardContext(meta, kv_caches, backend, fused_kernels)):

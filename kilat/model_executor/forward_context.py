@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kilat.model_executor.attention.backends import TORCH_BACKEND, AttentionBackend
-
 if TYPE_CHECKING:
+    from kilat.model_executor.attention.backends import AttentionBackend
     from kilat.model_executor.attention.metadata import AttentionMetadata
 
 
@@ -28,14 +27,14 @@ class ForwardContext:
         attn_metadata: the step's attention metadata (built once per step).
         kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model
             dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
-        backend: the attention kernels to run (the torch reference unless the runner picks another).
+        backend: the attention kernels to run; ``None`` is the torch reference.
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels
             (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
     """
 
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
-    backend: AttentionBackend = TORCH_BACKEND
+    backend: AttentionBackend | None = None
     fused_kernels: bool = False
 
 

@@ -24,10 +24,14 @@ Log-probabilities are of the raw model distribution (log-softmax of the input lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kilat.core.request import Request
+
+if TYPE_CHECKING:
+    from kilat.structured_outputs.manager import TokenBitmask
 from kilat.outputs import Logprob, PositionLogprobs
 
 
@@ -52,16 +56,17 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Sample the next token of every request.
 
         Args:
-            logits: float32 ``[B, V]``; row ``i`` holds the next-token logits of ``requests[i]``. It is not
-                modified.
+            logits: float32 ``[B, V]``; row ``i`` holds the next-token logits of ``requests[i]``. Only a
+                ``bitmask`` modifies it, in place, and only when no row asks for logprobs (which need it raw).
             requests: ``B`` requests supplying ``sampling_params``, ``prompt_token_ids``,
                 ``output_token_ids``, ``generator`` and ``eos_token_id``.
-            bitmask: structured outputs' allowed tokens, int32 ``[B, ceil(V / 32)]`` (xgrammar's layout),
-                applied after the penalties; ``None`` when no row is constrained.
+            bitmask: structured outputs' allowed tokens of the constrained rows, applied after the
+                penalties (a greedy row takes its best allowed token among its top candidates, and is masked
+                only when none of them is allowed); ``None`` when no row is constrained.
 
         Returns:
             A :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
@@ -71,11 +76,23 @@ class Sampler:
         processed = apply_logit_bias(logits, requests)
         processed = apply_min_tokens(processed, requests)
         processed = apply_penalties(processed, requests)
+        picked: dict[int, int] = {}
         if bitmask is not None:
-            from kilat.structured_outputs.manager import apply_bitmask
+            from kilat.structured_outputs.manager import allowed_argmax, apply_bitmask_
 
-            processed = apply_bitmask(processed, bitmask)
-        tokens = _sample(processed, requests)
+            picked = allowed_argmax(processed, bitmask,
+                                    [r for r in bitmask.rows if requests[r].sampling_params.greedy])
+            masked = [r for r in bitmask.rows if r not in picked]
+            if masked:
+                if processed is logits and any(r.sampling_params.logprobs is not None for r in requests):
+                    processed = logits.clone()
+                apply_bitmask_(processed, bitmask, masked)
+        if len(picked) == len(requests):
+            tokens = torch.tensor([picked[i] for i in range(len(requests))], device=logits.device)
+        else:
+            tokens = _sample(processed, requests)
+            if picked:
+                tokens[list(picked)] = torch.tensor(list(picked.values()), device=logits.device)
         return SamplerOutput(tokens.tolist(), _sample_logprobs(logits, tokens, requests))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,28 +102,60 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_bitmask(grammars: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
-    """The step's token bitmask for rows whose request is constrained, or ``None`` if none is.
+@dataclass
+class TokenBitmask:
+    """The step's allowed tokens for its constrained rows.
+
+    Attributes:
+        bitmask: int32 ``[num_rows, ceil(vocab_size / 32)]`` on the CPU, xgrammar's layout (bit set = allowed);
+            only the rows in ``rows`` are filled.
+        rows: the constrained rows.
+    """
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def build_bitmask(grammars: list[GrammarState | None], vocab_size: int) -> TokenBitmask | None:
+    """The step's token bitmask, or ``None`` when no row is constrained.
 
     Args:
         grammars: per sampled row, its request's grammar state (ready) or ``None``.
         vocab_size: logit columns.
-
-    Returns:
-        int32 ``[len(grammars), ceil(vocab_size / 32)]`` (bit set = token allowed; unconstrained rows allow
-        every token), on the CPU.
     """
-    if all(g is None for g in grammars):
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
         return None
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask
+    for row in rows:
+        grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+    return TokenBitmask(bitmask, rows)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Return a copy of float32 ``logits [B, V]`` with disallowed tokens at ``-inf``."""
-    masked = logits.clone()
-    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
-    return masked
+def apply_bitmask_(logits: torch.Tensor, mask: TokenBitmask, rows: list[int]) -> None:
+    """Set the disallowed tokens of ``rows`` (constrained rows) of float32 ``logits [B, V]`` to ``-inf``, in
+    place; other rows are not touched."""
+    xgr.apply_token_bitmask_inplace(logits, mask.bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def allowed_argmax(logits: torch.Tensor, mask: TokenBitmask, rows: list[int], candidates: int = 16
+                   ) -> dict[int, int]:
+    """Greedy picks of constrained ``rows`` without masking them: the most likely of each row's top
+    ``candidates`` tokens that its grammar allows. A row whose top candidates are all forbidden is left out
+    (the caller masks and samples it); the pick equals the argmax of the masked row.
+
+    Returns:
+        row -> token id.
+    """
+    if not rows:
+        return {}
+    index = torch.tensor(rows, dtype=torch.long)
+    sub = logits if len(rows) == logits.shape[0] else logits.index_select(0, index.to(logits.device))
+    values, ids = sub.topk(min(candidates, logits.shape[1]), dim=-1)
+    values, ids = values.cpu(), ids.cpu()
+    words = mask.bitmask.index_select(0, index).gather(1, ids >> 5)
+    allowed = (((words >> (ids & 31).to(torch.int32)) & 1) == 1) & (values > float("-inf"))
+    first = allowed.to(torch.int8).argmax(dim=1)
+    picks = ids.gather(1, first[:, None])[:, 0].tolist()
+    found = allowed.any(dim=1).tolist()
+    return {row: pick for row, pick, ok in zip(rows, picks, found, strict=True) if ok}

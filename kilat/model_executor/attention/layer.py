@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kilat.model_executor.attention.backends import TORCH_BACKEND
 from kilat.model_executor.forward_context import get_forward_context
 
 
@@ -47,9 +48,10 @@ class Attention(nn.Module):
         """
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping)
-        out = ctx.backend.paged_attention(query, key, value, kv_cache, ctx.attn_metadata, self.scale,
-                                          self.sliding_window)
+        backend = ctx.backend or TORCH_BACKEND
+        backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping)
+        out = backend.paged_attention(query, key, value, kv_cache, ctx.attn_metadata, self.scale,
+                                      self.sliding_window)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -101,9 +101,10 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMeta
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=metadata.block_size, BLOCK_N=_BLOCK_N, PARTITION=PARTITION,
         DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST)
     decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
+        part_out, part_lse, out, metadata.seq_lens, num_splits, part_out.stride(0), part_out.stride(1),
+        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PARTITION=PARTITION)
 
 
 def _extend_tiles(metadata: AttentionMetadata, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

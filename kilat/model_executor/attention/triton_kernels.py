@@ -45,7 +45,7 @@ def write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_k
     tl.store(dst + values_offset, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, scale,
                   stride_qt, stride_qh, stride_bt, values_offset, stride_block, stride_tok,
                   stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, window,
@@ -54,7 +54,8 @@ def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr,
                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Grid ``(num_seqs, num_kv_heads, num_splits)``: the ``GROUP`` query heads of one KV head of one
     sequence (one new token) over context partition ``split``; writes the normalized partial output and its
-    log-sum-exp (``-inf`` for an empty partition, e.g. a padded sequence with ``seq_len == 0``).
+    log-sum-exp (``-inf`` for a partition wholly before a sliding window). Partitions past the context, and
+    all of a padding row's (``seq_len == 0``), write nothing.
 
     The token at position ``p`` sees keys ``p - window < j <= p`` (``window`` = ``NO_WINDOW`` for all of them).
     """
@@ -62,6 +63,8 @@ def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if split * PARTITION >= seq_len:  # past the context (the reduction reads only the splits before it)
+        return
     lo = tl.maximum(split * PARTITION, seq_len - window)
     hi = tl.minimum(seq_len, (split + 1) * PARTITION)
 
@@ -102,16 +105,19 @@ def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr,
     tl.store(part_lse_ptr + seq * stride_pl_t + heads * stride_pl_h + split, lse, mask=g_mask)
 
 
-@triton.jit
-def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_splits,
                          stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid ``(num_seqs, num_heads)``: combine the partitions by their log-sum-exp (0 if all are empty)."""
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         PARTITION: tl.constexpr):
+    """Grid ``(num_seqs, num_heads)``: combine the partitions that hold context by their log-sum-exp (0 for a
+    sequence without context)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
+    seq_len = tl.load(seq_lens_ptr + seq)
+    s_mask = (s < num_splits) & (s * PARTITION < seq_len)
     lse = tl.load(part_lse_ptr + seq * stride_pl_t + head * stride_pl_h + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -123,7 +129,7 @@ def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def extend_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr,
                   tile_start_ptr, out_ptr, scale, stride_qt, stride_qh, stride_bt, values_offset, stride_block,
                   stride_tok, stride_ot, stride_oh, window,
