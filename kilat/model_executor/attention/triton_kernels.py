@@ -28,6 +28,33 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(cache_ptr, table_row_ptr, offs, valid, kv_head, d, d_mask, values_offset, stride_block, stride_tok,
+               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """Keys and values ``[BLOCK_N, BLOCK_D]`` of context positions ``offs`` (0 where not ``valid``), found
+    through the request's block table row."""
+    block = tl.load(table_row_ptr + offs // PAGE, mask=valid, other=0).to(tl.int64)
+    kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(cache_ptr + values_offset + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One FlashAttention step: fold the ``allowed`` scores of ``q`` against this key tile into the running
+    max ``m_i``, sum ``l_i`` and unnormalized output ``acc`` (rows with nothing allowed yet stay empty)."""
+    scores = tl.where(allowed, _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                     values_offset, stride_slot,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -83,19 +110,9 @@ def decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr,
     for n0 in range(start, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = (offs >= lo) & (offs < hi)
-        block = tl.load(block_table_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + values_offset + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
+        k, v = _load_tile(cache_ptr, block_table_ptr + seq * stride_bt, offs, valid, kv_head, d, d_mask,
+                          values_offset, stride_block, stride_tok, HEAD_DIM, PAGE)
+        m_i, l_i, acc = _online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, DOT_PRECISION, UPCAST)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -171,21 +188,10 @@ def extend_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_p
     for n0 in range(start, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = (offs >= lo) & (offs < hi)
-        block = tl.load(block_table_ptr + req * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+        k, v = _load_tile(cache_ptr, block_table_ptr + req * stride_bt, offs, valid, kv_head, d, d_mask,
+                          values_offset, stride_block, stride_tok, HEAD_DIM, PAGE)
         allowed = valid[None, :] & (offs[None, :] <= pos[:, None]) & (offs[None, :] > pos[:, None] - window)
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + values_offset + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
