@@ -163,3 +163,28 @@ def test_structured_outputs_params_validation() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+
+
+def test_allowed_argmax_equals_argmax_of_masked_logits() -> None:
+    import torch
+    import xgrammar as xgr
+
+    from kilat.structured_outputs.manager import TokenBitmask, allowed_argmax, apply_bitmask_
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[5, :] = float("-inf")
+    logits[5, 7] = 0.0  # only token 7 is finite; the grammar forbids it below
+    bitmask = xgr.allocate_token_bitmask(6, 1000)
+    bitmask.copy_(torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=g, dtype=torch.int32))
+    bitmask[1] = 0
+    bitmask[1, 3] = 1 << 5  # row 1 allows token 3 * 32 + 5 = 101 only: far down its ranking
+    bitmask[5, 0] &= ~(1 << 7)
+    mask = TokenBitmask(bitmask, [0, 1, 2, 3, 5])
+    picks = allowed_argmax(logits, mask, mask.rows)
+    masked = logits.clone()
+    apply_bitmask_(masked, mask, mask.rows)
+    expected = masked.argmax(dim=-1).tolist()
+    assert 1 not in picks or picks[1] == 101
+    assert 5 not in picks  # nothing allowed is finite: left to the masked path
+    assert all(picks[r] == expected[r] for r in picks) and {0, 2, 3} <= set(picks)

@@ -9,7 +9,6 @@ builds no bitmask at all.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,6 @@ import xgrammar as xgr
 
 from kilat.sampling_params import StructuredOutputsParams
 from kilat.structured_outputs.grammar import compile_grammar
-
-logger = logging.getLogger("kilat")
 
 
 class GrammarState:
@@ -96,10 +93,6 @@ class StructuredOutputManager:
     def submit(self, params: StructuredOutputsParams) -> GrammarState:
         """Start compiling ``params``'s grammar; returns at once."""
         return GrammarState(self._pool.submit(lambda: compile_grammar(self._get_compiler(), params)))
-
-    def shutdown(self) -> None:
-        """Stop the compilation threads (pending compilations are dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
