@@ -195,6 +195,10 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        from kilat.model_executor.attention.backends import resolve_attention_backend
+
+        resolve_attention_backend(self.attention_backend, device)  # refuse an unusable backend before loading
+
         def build(cls: type) -> Any:
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 

@@ -43,6 +43,8 @@ class StructuredOutputsParams:
         if len(set_fields) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
                              f"json_object; got {set_fields or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got "
                              f"{type(self.json).__name__}")

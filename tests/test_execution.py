@@ -39,6 +39,8 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # refused before any weights load
+        EngineArgs(attention_backend="triton", device="cpu").create_engine_config()
 
 
 def test_skip_tokenizer_init_generates_the_same_token_ids(tiny_llama_dir: str) -> None:

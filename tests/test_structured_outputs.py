@@ -163,6 +163,8 @@ def test_structured_outputs_params_validation() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    with pytest.raises(ValueError, match="json_object must be a boolean"):
+        StructuredOutputsParams(json_object="yes")
 
 
 def test_allowed_argmax_equals_argmax_of_masked_logits() -> None:

@@ -22,6 +22,9 @@ def test_parse_hermes_keeps_text_and_bad_blocks() -> None:
     assert content == ('Sure. \n <tool_call>{broken</tool_call><tool_call>{"name": "unknown", "arguments": {}}'
                        '</tool_call>')
     assert parse_hermes("no calls", {"add"}) == ("no calls", [])
+    # arguments given as JSON text are passed through, not encoded twice
+    assert parse_hermes('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', {"add"})[1] == [
+        ToolCall("add", '{"a": 1}')]
 
 
 def test_required_constraint_and_extraction() -> None:
@@ -33,6 +36,9 @@ def test_required_constraint_and_extraction() -> None:
     content, calls = plan.extract('[{"name": "add", "arguments": {"a": 3, "b": 4}}]', None)
     assert content is None and calls == [ToolCall("add", json.dumps({"a": 3, "b": 4}))]
     assert plan.extract('[{"name": "add", "argu', None) == ('[{"name": "add", "argu', [])  # cut by max_tokens
+    # a run of parallel calls cut by max_tokens keeps its complete calls
+    cut = '[{"name": "now", "arguments": {}}, {"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "no'
+    assert plan.extract(cut, None) == (None, [ToolCall("now", "{}"), ToolCall("add", '{"a": 1, "b": 2}')])
 
 
 def test_named_auto_and_none() -> None:

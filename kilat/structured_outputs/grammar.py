@@ -15,6 +15,10 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's ``[time] file.cc:line: `` prefix on error messages."""
 
 
+_ANY_OBJECT = '{"type": "object"}'
+"""``json_object`` is any JSON object (OpenAI's rule), not any JSON value."""
+
+
 def choice_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (each a double-quoted literal)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -52,13 +56,14 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 def compile_grammar(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """Compile the constraint for ``compiler``'s tokenizer (the compiler caches by grammar).
 
-    JSON is compact (no free whitespace between tokens), so a small model cannot wander in whitespace.
+    JSON is on one line (xgrammar's ``", "`` and ``": "`` separators, no other whitespace), so a small model
+    cannot wander in whitespace.
     """
     kind, _ = params.key
     if kind == "json":
         return compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
     if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+        return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(params.regex)
     if kind == "choice":

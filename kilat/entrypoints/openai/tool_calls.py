@@ -86,12 +86,28 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(self.named, text)]
         if self.choice == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
+            calls = _complete_array_items(text)
+            if not calls:
                 return text, []
             return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
         return parse_hermes(text, {t["name"] for t in self.tools})
+
+
+def _complete_array_items(text: str) -> list[Any]:
+    """The complete items of a JSON array, even when ``max_tokens`` cut it short (the constrained output of
+    ``required`` is always a prefix of a valid array)."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    i = text.find("[") + 1
+    while i:
+        while i < len(text) and text[i] in " ,\n\t":
+            i += 1
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        items.append(value)
+    return items
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +130,9 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
             continue
         kept.append(text[last:match.start()])
         last = match.end()
-        calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)))
+        arguments = value.get("arguments", {})
+        calls.append(ToolCall(value["name"], arguments if isinstance(arguments, str) else
+                              json.dumps(arguments, ensure_ascii=False)))
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None), calls
