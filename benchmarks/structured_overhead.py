@@ -48,16 +48,6 @@ SCHEMAS = [
 TOPICS = ["a person", "a city", "a blog post", "a product"]
 
 
-def tpots(outputs: list[Any]) -> list[float]:
-    values = []
-    for o in outputs:
-        m = o.metrics
-        n = len(o.outputs[0].token_ids)
-        if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            values.append((m.last_token_time - m.first_token_time) / (n - 1))
-    return values
-
-
 def run(llm: LLM, conversations: list[list[dict[str, str]]], params: list[SamplingParams]) -> tuple[list[Any], float]:
     start = time.perf_counter()
     outputs = llm.chat(conversations, params, use_tqdm=False)
@@ -87,7 +77,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for name, params in (("json_schema", constrained), ("none", plain)):
             outputs, duration = run(llm, conversations, params)
-            values = tpots(outputs)
+            values = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
             results[name].append({"mean_tpot_ms": 1e3 * statistics.fmean(values),
                                   "median_tpot_ms": 1e3 * statistics.median(values), "duration_s": duration,
                                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
