@@ -8,6 +8,7 @@ allowed range.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -148,6 +149,70 @@ class ExecutionConfig:
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al., ICML 2023): a proposer drafts tokens, the target verifies them.
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: copy the tokens that followed the latest earlier occurrence of the
+            sequence's last n tokens) or ``"draft_model"`` (a smaller model with the same vocabulary).
+        num_speculative_tokens: most draft tokens per request and step (k).
+        model: the draft model for ``"draft_model"`` (as :attr:`ModelConfig.model`; ``None`` is the embedded
+            SmolLM2-135M-Instruct); must be ``None`` for ``"ngram"``.
+        load_format: the draft model's load format (as :attr:`ModelConfig.load_format`).
+        prompt_lookup_min: shortest suffix n-gram looked up (tokens, ``"ngram"``).
+        prompt_lookup_max: longest suffix n-gram looked up (tokens, ``"ngram"``); longer matches are tried first.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    load_format: str = "auto"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
+               f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+               "speculative_config.num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        _check(self.load_format in LOAD_FORMATS, "speculative_config.load_format",
+               f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check(self.method == "draft_model" or self.model is None, "speculative_config.model",
+               f"is only used with method 'draft_model', got {self.model!r}")
+        _check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+               "speculative_config.prompt_lookup_min", f"must be >= 1, got {self.prompt_lookup_min}")
+        _check(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+               "speculative_config.prompt_lookup_max",
+               f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """Build from a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``).
+
+        Raises:
+            ValueError: invalid JSON, an unknown key or an invalid value, named.
+        """
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        missing = sorted(n for n in ("method", "num_speculative_tokens") if n not in value)
+        if missing:
+            raise ValueError(f"speculative_config: missing required key(s) {missing}")
+        return cls(**value)
+
+
 @dataclass
 class EngineArgs:
     """Flat engine arguments, as accepted by ``LLM(...)`` and the CLI (vLLM's names).
@@ -174,6 +239,7 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    speculative_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "device",
@@ -202,8 +268,10 @@ class EngineArgs:
         def build(cls: type) -> Any:
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
+        speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
         return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
-                            execution=build(ExecutionConfig), device=device, num_threads=self.num_threads)
+                            execution=build(ExecutionConfig), speculative=speculative, device=device,
+                            num_threads=self.num_threads)
 
 
 @dataclass
@@ -214,5 +282,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    speculative: SpeculativeConfig | None = None
     device: str = "cpu"
     num_threads: int | None = None

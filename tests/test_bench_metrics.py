@@ -13,7 +13,14 @@ from aiohttp import web
 
 from kilat.bench.client import _chunk_text, send_request
 from kilat.bench.metrics import RequestResult, distribution, parse_goodput, summarize
-from kilat.bench.serve import arrival_offsets, prefix_cache_hit_rate
+from kilat.bench.serve import (
+    arrival_offsets,
+    counter_delta,
+    format_table,
+    parse_samples,
+    prefix_cache_hit_rate,
+    spec_decode_metrics,
+)
 
 
 def result(chunks: list[float], tokens: int, send: float = 0.0, success: bool = True) -> RequestResult:
@@ -79,6 +86,88 @@ def test_prefix_cache_hit_rate_from_counter_deltas() -> None:
     after = {"kilat:prefix_cache_queries_total": 300.0, "kilat:prefix_cache_hits_total": 90.0}
     assert prefix_cache_hit_rate(before, after) == 0.25
     assert prefix_cache_hit_rate({}, {}) is None
+    assert prefix_cache_hit_rate(before, before) is None  # no queries during the run
+
+
+def test_counter_delta_matches_by_suffix() -> None:
+    before = {"vllm:prefix_cache_hits_total": 5.0}
+    after = {"vllm:gpu_prefix_cache_hits_total": 70.0, "vllm:prefix_cache_hits_total": 12.0}
+    assert counter_delta(before, after, ":prefix_cache_hits_total") == 7.0
+    assert counter_delta({}, after, ":prefix_cache_hits_total") == 12.0  # a counter new since the first scrape
+    assert counter_delta(before, after, ":prefix_cache_queries_total") is None
+
+
+SPEC_UNSET = dict.fromkeys(("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length",
+                            "spec_decode_acceptance_per_pos"))
+
+
+def test_spec_decode_rates_from_kilat_counters() -> None:
+    """10 passes of 3 drafts during the run: 18 accepted (9, 6, 3 at positions 0, 1, 2), 28 emitted."""
+    before = parse_samples("""
+kilat:spec_decode_num_drafts_total 5.0
+kilat:spec_decode_num_draft_tokens_total 15.0
+kilat:spec_decode_num_accepted_tokens_total 6.0
+kilat:spec_decode_num_emitted_tokens_total 11.0
+kilat:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4.0
+kilat:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0
+""")
+    after = parse_samples("""
+kilat:spec_decode_num_drafts_total 15.0
+kilat:spec_decode_num_draft_tokens_total 45.0
+kilat:spec_decode_num_accepted_tokens_total 24.0
+kilat:spec_decode_num_emitted_tokens_total 39.0
+kilat:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 13.0
+kilat:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 8.0
+kilat:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 3.0
+""")
+    assert spec_decode_metrics(before, after) == {"spec_decode_acceptance_rate": 0.6,
+                                                  "spec_decode_mean_acceptance_length": 2.8,
+                                                  "spec_decode_acceptance_per_pos": [0.9, 0.6, 0.3]}
+
+
+def test_spec_decode_rates_from_vllm_counters() -> None:
+    """vLLM labels every sample (two engines here, summed) and exports no emitted-token counter: the mean
+    acceptance length is 1 + accepted / drafts = 1 + 12 / 8."""
+    before = parse_samples("""
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 0.0
+""")
+    after = parse_samples("""
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 3.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 6.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 8.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 1.0
+""")
+    assert spec_decode_metrics(before, after) == {"spec_decode_acceptance_rate": 0.75,
+                                                  "spec_decode_mean_acceptance_length": 2.5,
+                                                  "spec_decode_acceptance_per_pos": [1.0, 0.5]}
+
+
+def test_spec_decode_rates_are_none_without_drafts() -> None:
+    assert spec_decode_metrics({}, {}) == SPEC_UNSET
+    assert spec_decode_metrics({}, {"kilat:prefix_cache_hits_total": 3.0}) == SPEC_UNSET
+    idle = {"kilat:spec_decode_num_drafts_total": 4.0, "kilat:spec_decode_num_draft_tokens_total": 12.0,
+            "kilat:spec_decode_num_accepted_tokens_total": 7.0, "kilat:spec_decode_num_emitted_tokens_total": 11.0}
+    assert spec_decode_metrics(idle, idle) == SPEC_UNSET  # the server drafted nothing during the run
+
+
+def test_report_rows_only_for_known_rates() -> None:
+    summary = summarize([result([0.1, 0.2], 2)], duration=1.0)
+    summary.update(prefix_cache_hit_rate=None, **SPEC_UNSET)
+    assert "spec-decode" not in format_table(summary) and "prefix-cache" not in format_table(summary)
+    summary.update(spec_decode_acceptance_rate=0.6, spec_decode_mean_acceptance_length=2.8,
+                   spec_decode_acceptance_per_pos=[0.9, 0.6, 0.3])
+    table = format_table(summary)
+    assert "spec-decode acceptance rate" in table and "60.0%" in table
+    assert "2.80" in table and "90.0% / 60.0% / 30.0%" in table
 
 
 def test_poisson_arrivals_are_seeded() -> None:

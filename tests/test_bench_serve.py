@@ -20,6 +20,7 @@ SUMMARY_FIELDS = {
     "output_tokens_source", "request_throughput", "output_throughput", "total_token_throughput", "tokens_per_chunk",
     "ttft_s", "tpot_s", "itl_s", "e2el_s", "goodput", "slos_s", "cost_per_hour_usd", "cost_per_1m_output_tokens_usd",
     "endpoint", "model", "base_url", "request_rate", "max_concurrency", "prefix_cache_hit_rate",
+    "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "spec_decode_acceptance_per_pos",
     "server_counter_deltas", "per_request", "dataset", "num_prompts"}
 
 

@@ -18,7 +18,7 @@ def req(rid, n, max_tokens=4):
 
 def run_step(s, token=7):
     out = s.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: [token] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
     return out, s.update_from_output(out, sampled)
 
 

@@ -1,15 +1,16 @@
 """``kilat bench serve``: load an OpenAI-compatible server and report ``../shared/docs/metrics.md`` metrics.
 
 Requests arrive as a Poisson process of ``request_rate`` per second (seeded; ``inf`` sends all at once),
-at most ``max_concurrency`` in flight. The prefix-cache hit rate is the delta of the server's
-``*:prefix_cache_hits_total`` / ``*:prefix_cache_queries_total`` Prometheus counters over the run (kilat and
-vLLM export them), when ``/metrics`` has them.
+at most ``max_concurrency`` in flight. The prefix-cache hit rate and the speculative decoding acceptance come
+from the deltas of the server's Prometheus counters over the run (``*:prefix_cache_{hits,queries}_total``,
+``*:spec_decode_*_total``; kilat and vLLM export them), when ``/metrics`` has them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,36 +66,89 @@ class LoadConfig:
 
 
 async def scrape_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """The server's ``/metrics`` samples by name, summed over their label sets (empty when it has none)."""
+    """The server's ``/metrics`` samples (see :func:`parse_samples`; empty when it has none)."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics") as response:
             if response.status != 200:
                 return {}
-            text = await response.text()
+            return parse_samples(await response.text())
     except aiohttp.ClientError:
         return {}
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text samples by name, summed over their label sets, plus each labelled sample by its full
+    ``name{labels}``."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         sample, _, value = line.rpartition(" ")
-        name = sample.partition("{")[0]
         try:
-            values[name] = values.get(name, 0.0) + float(value)
+            number = float(value)
         except ValueError:
             continue
+        name = sample.partition("{")[0]
+        values[name] = values.get(name, 0.0) + number
+        if sample != name:
+            values[sample] = values.get(sample, 0.0) + number
     return values
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float], suffix: str) -> float | None:
+    """The run's increase of the first counter of ``after`` whose name ends with ``suffix`` (e.g.
+    ``":prefix_cache_hits_total"``, so both ``kilat:`` and ``vllm:`` match), in the counter's own unit and summed
+    over its label sets; ``None`` when the server has no such counter."""
+    name = next((n for n in after if n.endswith(suffix)), None)
+    return None if name is None else after[name] - before.get(name, 0.0)
+
+
 def prefix_cache_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Hits / queries of the run from ``*:prefix_cache_{hits,queries}_total`` counter deltas."""
-    for name in after:
-        if name.endswith(":prefix_cache_queries_total"):
-            hits_name = name.replace("queries", "hits")
-            queries = after[name] - before.get(name, 0.0)
-            if hits_name in after and queries > 0:
-                return (after[hits_name] - before.get(hits_name, 0.0)) / queries
-    return None
+    """Prompt tokens served from the prefix cache / prompt tokens looked up, over the run (fraction), from the
+    ``*:prefix_cache_{hits,queries}_total`` deltas; ``None`` without those counters or queries."""
+    hits = counter_delta(before, after, ":prefix_cache_hits_total")
+    queries = counter_delta(before, after, ":prefix_cache_queries_total")
+    return hits / queries if hits is not None and queries is not None and queries > 0 else None
+
+
+_ACCEPTED_PER_POS = re.compile(r'[^{]*:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*\bposition="(\d+)"')
+"""A labelled sample of the accepted-tokens-per-draft-position counter; group 1 is the position."""
+
+
+def spec_decode_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Speculative decoding over the run (metrics.md), from ``*:spec_decode_*_total`` counter deltas.
+
+    Returns:
+        ``spec_decode_acceptance_rate``: accepted / proposed draft tokens (fraction).
+        ``spec_decode_mean_acceptance_length``: emitted tokens per verification pass (tokens; emitted / drafts,
+        or 1 + accepted / drafts when the server exports no emitted-token counter, as vLLM).
+        ``spec_decode_acceptance_per_pos``: accepted draft tokens at position ``i`` / drafts, for ``i`` from 0
+        (fraction of passes that accepted position ``i``).
+        Each is ``None`` when the server lacks its counters or proposed no draft tokens during the run.
+    """
+    result: dict[str, Any] = dict.fromkeys(("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length",
+                                            "spec_decode_acceptance_per_pos"))
+    draft_tokens = counter_delta(before, after, ":spec_decode_num_draft_tokens_total")
+    if draft_tokens is None or draft_tokens <= 0:
+        return result
+    accepted = counter_delta(before, after, ":spec_decode_num_accepted_tokens_total")
+    drafts = counter_delta(before, after, ":spec_decode_num_drafts_total")
+    emitted = counter_delta(before, after, ":spec_decode_num_emitted_tokens_total")
+    if accepted is not None:
+        result["spec_decode_acceptance_rate"] = accepted / draft_tokens
+    if drafts is not None and drafts > 0:
+        if emitted is not None:
+            result["spec_decode_mean_acceptance_length"] = emitted / drafts
+        elif accepted is not None:
+            result["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts
+        per_pos: dict[int, float] = {}
+        for sample, value in after.items():
+            if match := _ACCEPTED_PER_POS.match(sample):
+                pos = int(match[1])
+                per_pos[pos] = per_pos.get(pos, 0.0) + value - before.get(sample, 0.0)
+        if per_pos:
+            result["spec_decode_acceptance_per_pos"] = [per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1)]
+    return result
 
 
 def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
@@ -160,7 +214,7 @@ def benchmark(requests: list[BenchRequest], config: LoadConfig, slos: dict[str, 
         endpoint=config.endpoint, model=config.model, base_url=config.base_url,
         request_rate=None if math.isinf(config.request_rate) else config.request_rate,
         max_concurrency=config.max_concurrency,
-        prefix_cache_hit_rate=prefix_cache_hit_rate(before, after),
+        prefix_cache_hit_rate=prefix_cache_hit_rate(before, after), **spec_decode_metrics(before, after),
         server_counter_deltas={k: after[k] - before.get(k, 0.0) for k in after
                                if k.endswith(("prompt_tokens_total", "generation_tokens_total"))},
         per_request={"ttft_s": [r.ttft for r in results], "tpot_s": [r.tpot for r in results],
@@ -181,6 +235,14 @@ def format_table(summary: dict[str, Any]) -> str:
         rows.append(("goodput (req/s)", f"{summary['goodput']:.2f}"))
     if summary.get("prefix_cache_hit_rate") is not None:
         rows.append(("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"))
+    if summary.get("spec_decode_acceptance_rate") is not None:
+        rows.append(("spec-decode acceptance rate", f"{summary['spec_decode_acceptance_rate']:.1%}"))
+    if summary.get("spec_decode_mean_acceptance_length") is not None:
+        rows.append(("spec-decode mean acceptance length (tok)",
+                     f"{summary['spec_decode_mean_acceptance_length']:.2f}"))
+    if summary.get("spec_decode_acceptance_per_pos") is not None:
+        rows.append(("spec-decode acceptance by position",
+                     " / ".join(f"{p:.1%}" for p in summary["spec_decode_acceptance_per_pos"])))
     if summary.get("cost_per_1m_output_tokens_usd") is not None:
         rows.append(("cost per 1M output tokens (USD)", f"{summary['cost_per_1m_output_tokens_usd']:.4f}"))
     for name in ("ttft", "tpot", "itl", "e2el"):

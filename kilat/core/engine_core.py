@@ -16,6 +16,7 @@ from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
 from kilat.model_executor.model_runner import ModelRunner
 from kilat.outputs import PositionLogprobs, RequestMetrics
+from kilat.spec_decode import Proposer, build_proposer
 
 if TYPE_CHECKING:
     from kilat.structured_outputs.manager import StructuredOutputManager
@@ -29,7 +30,7 @@ class EngineCoreOutput:
 
     Attributes:
         request_id: the core request id.
-        new_token_ids: tokens sampled this step (0 or 1 today).
+        new_token_ids: tokens added this step (0, 1, or with speculative decoding up to ``k + 1``).
         new_logprobs: their logprobs, when asked for.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
         stop_reason: the stop token id that ended it, if any.
@@ -74,7 +75,10 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0)
+        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self.runner)
         self.stats = EngineStats()
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d)",
@@ -150,26 +154,33 @@ class EngineCore:
             self.kv.pool.reset_prefix_cache()
             raise StepFailed(failed, e) from e
         now = time.time()
-        sampled = {rid: token for rid, (token, _) in results.items()}
+        num_drafts = {r.request_id: len(r.spec_token_ids) for r, _ in sched.scheduled}
+        num_before = {r.request_id: r.num_output_tokens for r, _ in sched.scheduled}
+        sampled = {rid: tokens for rid, (tokens, _) in results.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        if self.proposer is not None:
+            self.proposer.propose([r for r, _ in sched.scheduled if r.status == RequestStatus.RUNNING], self.kv)
 
         for request, _ in sched.scheduled:
             rid = request.request_id
             if rid not in results:
                 continue
+            tokens, logprobs = results[rid]
+            self.stats.spec_decode.observe(num_drafts[rid], len(tokens) - 1)
+            new_tokens = request.output_token_ids[num_before[rid]:]
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens = request.num_output_tokens
-            token, logprobs = results[rid]
-            first = request.num_output_tokens == 1
+            first = num_before[rid] == 0
             if first:
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
+            self.stats.num_generation_tokens += len(new_tokens)
             outputs.append(EngineCoreOutput(
                 request_id=rid,
-                new_token_ids=[token],
-                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_token_ids=new_tokens,
+                new_logprobs=logprobs[:len(new_tokens)] if logprobs is not None else None,
                 finish_reason=request.status.finish_reason if rid in finished else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
@@ -179,7 +190,6 @@ class EngineCore:
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1
-        self.stats.num_generation_tokens += len(results)
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.prefix_cache_queries = self.kv.prefix_queries
         self.stats.prefix_cache_hits = self.kv.prefix_hits

@@ -84,8 +84,9 @@ class KVCacheManager:
             self.prefix_hits += min(num_hit_tokens, num_prompt_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+                       computed_blocks: list[KVBlock] | None = None, num_lookahead_tokens: int = 0) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones, plus ``num_lookahead_tokens``
+        slots after them (where a draft model writes the KV of its drafts).
 
         ``computed_blocks`` (prefix-cache hits from :meth:`get_computed_blocks`, for a request being
         admitted) are taken first. Returns False, changing nothing, when too few blocks are free.
@@ -93,7 +94,7 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
         num_needed = num_required - len(blocks) - len(computed_blocks)
         num_reusable_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_reusable_free:
@@ -118,6 +119,16 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = end
+
+    def free_tail(self, request: Request, num_slots: int) -> int:
+        """Free the request's blocks past its first ``num_slots`` token slots, e.g. those that held only rejected
+        draft tokens. Such blocks hold no known token, so none is in the prefix cache. Returns how many
+        became free."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        keep = -(-num_slots // self.block_size)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        return self.pool.free_blocks(tail[::-1])
 
     def free(self, request: Request) -> int:
         """Release all of the request's blocks (tail first). Returns how many became free."""

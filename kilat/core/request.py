@@ -101,6 +101,9 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
         self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
+        self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
+        self.spec_probs: torch.Tensor | None = None  # float32 [len(spec_token_ids), V]: the draft model's q
+        self.draft_num_computed = 0  # leading positions whose draft-model KV is valid
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
@@ -126,6 +129,11 @@ class Request:
     def is_finished(self) -> bool:
         """True once the request reached any ``FINISHED_*`` status."""
         return self.status.finished
+
+    def clear_drafts(self) -> None:
+        """Drop the draft tokens (and their draft distributions)."""
+        self.spec_token_ids = []
+        self.spec_probs = None
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (and advance the request's grammar, if it has one)."""

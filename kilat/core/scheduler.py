@@ -3,6 +3,11 @@
 There are no prefill or decode phases: each step hands the runner a list of (request, number of new
 tokens), where a request's ``num_computed_tokens`` catches up with its ``num_tokens``. Running requests
 are served first, so a long prompt is chunked behind them instead of stalling them.
+
+Speculative decoding fits the same rule: a request's ``k`` draft tokens count as tokens to compute, so a
+decoding request is scheduled for ``k + 1`` tokens (fewer drafts when the budget is short). After the
+target verified them, ``num_computed_tokens`` advances past the accepted drafts only, and the blocks that
+held nothing but rejected drafts are freed.
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ class Scheduler:
         config: token budget and sequence limit.
         kv_cache_manager: block allocator shared with the runner.
         max_model_len: longest context in tokens.
+        num_lookahead_tokens: slots reserved after a request's last token whenever it reaches it, for the KV
+            of the drafts a draft model writes after the step (``num_speculative_tokens``; 0 otherwise).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -84,6 +93,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         request.grammar = None
+        request.clear_drafts()
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.time()
 
@@ -92,10 +102,23 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.clear_drafts()
         victim.metrics.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim
+
+    def _fit_drafts(self, request: Request, room: int) -> None:
+        """Keep only the drafts that fit in ``room`` tokens of this step's budget."""
+        if room < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:max(room, 0)]
+            if request.spec_probs is not None:
+                request.spec_probs = request.spec_probs[:max(room, 0)]
+
+    def _lookahead(self, request: Request, scheduled_end: int) -> int:
+        """Draft-model slots to reserve when the step's chunk (ending at token ``scheduled_end``) reaches the
+        request's last known token, after which the request samples and is drafted for."""
+        return self.num_lookahead_tokens if scheduled_end >= request.num_tokens else 0
 
     def failed_grammars(self) -> list[str]:
         """Ids of waiting requests whose grammar failed to compile (the engine core aborts them)."""
@@ -118,11 +141,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = request.num_tokens - request.num_computed_tokens
+            if request.spec_token_ids:
+                self._fit_drafts(request, budget - num_new)
+                num_new += len(request.spec_token_ids)
             if num_new > budget and not chunked:
                 i += 1
                 continue
             num_new = min(num_new, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 out.preempted.append(self._preempt_last())
                 if out.preempted[-1] is request:
                     break
@@ -144,11 +171,13 @@ class Scheduler:
             if num_new > budget and not chunked:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not self.kv.allocate_slots(request, num_new, computed_blocks,
+                                          self._lookahead(request, num_hit + num_new)):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            request.draft_num_computed = num_hit  # cached blocks hold a draft model's KV too
             if request.num_cached_tokens < 0:
                 self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
                 request.num_cached_tokens = num_hit
@@ -161,21 +190,31 @@ class Scheduler:
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that stop.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens past the accepted drafts, append sampled tokens, finish requests that stop.
 
-        ``sampled`` maps request id → the token sampled for it this step (only requests whose chunk
-        reached their last token sample). Returns the requests that finished this step.
+        ``sampled`` maps request id → the tokens the step produced for it (only requests whose chunk reached
+        their last token sample): its accepted draft tokens, then the target's own token. Tokens after one
+        that ends the request are dropped. Returns the requests that finished this step.
         """
         finished = []
         for request, num_new in out.scheduled:
+            tokens = sampled.get(request.request_id)
+            num_drafts = len(request.spec_token_ids)
             request.num_computed_tokens += num_new
-            token = sampled.get(request.request_id)
-            if token is None:
+            if tokens is None:
                 continue
-            request.append_output_token(token)
-            if request.check_stop(self.max_model_len):
+            if num_drafts:
+                request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+                request.clear_drafts()
+            for token in tokens:
+                request.append_output_token(token)
+                if request.check_stop(self.max_model_len):
+                    break
+            if request.is_finished:
                 self.running.remove(request)
                 self._release(request)
                 finished.append(request)
+            elif num_drafts:
+                self.kv.free_tail(request, request.num_tokens + self.num_lookahead_tokens)
         return finished

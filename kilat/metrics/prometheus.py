@@ -2,8 +2,9 @@
 
 Histograms are observed in the API process: TTFT, TPOT, E2E latency, queue, prefill and decode time when a
 request finishes (from the engine core's timestamps), and inter-token latency as output tokens arrive.
-Counters and gauges are read from the engine core's latest :class:`~kilat.metrics.stats.EngineStats` at
-scrape time. Each logger has its own registry, so several servers can live in one process (tests).
+Counters (speculative decoding ones included) and gauges are read from the engine core's latest
+:class:`~kilat.metrics.stats.EngineStats` at scrape time. Each logger has its own registry, so several
+servers can live in one process (tests).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kilat.metrics.stats import EngineStats
+from kilat.metrics.stats import EngineStats, SpecDecodeStats
 from kilat.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -45,12 +46,31 @@ class _EngineStatsCollector:
         for reason in ("stop", "length", "abort"):
             finished.add_metric([reason], stats.finished_by_reason.get(reason, 0))
         yield finished
+        yield from _spec_decode_metrics(stats.spec_decode)
         last = stats.last_step
         for name, doc, value in (
                 ("kilat:num_requests_running", "Requests running in the engine.", last.num_running),
                 ("kilat:num_requests_waiting", "Requests waiting in the engine.", last.num_waiting),
                 ("kilat:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", last.kv_cache_usage)):
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Speculative decoding counters (vLLM's ``vllm:spec_decode_*`` names under ``kilat:``; all 0 without
+    speculation). Acceptance rate = accepted / draft tokens; mean acceptance length = emitted tokens / drafts."""
+    for name, doc, value in (
+            ("kilat:spec_decode_num_drafts", "Verification passes with at least one draft token.", spec.num_drafts),
+            ("kilat:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("kilat:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            ("kilat:spec_decode_num_emitted_tokens",
+             "Tokens emitted by verification passes: accepted drafts plus one target token per pass.",
+             spec.num_emitted_tokens)):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_pos = CounterMetricFamily("kilat:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by draft position (0-based).", labels=["position"])
+    for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], value)
+    yield per_pos
 
 
 class PrometheusStatLogger:

@@ -28,6 +28,50 @@ class StepStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters since start-up (metrics.md), over verification passes that had drafts.
+
+    Attributes:
+        num_drafts: verification passes of a request with at least one draft token.
+        num_draft_tokens: draft tokens proposed and verified (tokens).
+        num_accepted_tokens: draft tokens the target accepted (tokens).
+        num_emitted_tokens: tokens those passes produced: accepted drafts plus the target's own token of each
+            pass (tokens; counted before stop conditions cut them).
+        num_accepted_tokens_per_pos: accepted draft tokens by draft position ``0 .. k - 1``.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification pass of ``num_draft_tokens`` drafts, of which the first ``num_accepted``
+        were accepted."""
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos)))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens, 0 when nothing was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Emitted tokens per verification pass (1 + mean accepted drafts), 0 before the first pass."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class EngineStats:
     """Counters since start-up (Prometheus counters / gauges under ``kilat:``).
 
@@ -38,6 +82,7 @@ class EngineStats:
         prefix_cache_queries: tokens looked up in the prefix cache at admission.
         prefix_cache_hits: tokens found there.
         finished_by_reason: finished requests per finish reason.
+        spec_decode: speculative decoding counters (all 0 without speculation).
         last_step: the latest :class:`StepStats`.
     """
 
@@ -47,6 +92,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     finished_by_reason: Counter = field(default_factory=Counter)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     last_step: StepStats = field(default_factory=StepStats)
 
     @property

@@ -22,6 +22,7 @@ from kilat.model_executor.forward_context import ForwardContext, set_forward_con
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
 from kilat.outputs import PositionLogprobs
+from kilat.spec_decode.rejection import verify
 
 logger = logging.getLogger("kilat")
 
@@ -40,6 +41,8 @@ class ModelRunner:
         attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
         cuda_graphs: the captured decode graphs, or ``None`` (CPU, ``enforce_eager``, ungraphable backend).
+        draft_model: the speculative-decoding draft model (method ``draft_model``), or ``None``.
+        draft_kv_caches: its KV cache, with the target's block ids and block size, or ``None``.
     """
 
     def __init__(self, config: EngineConfig):
@@ -59,6 +62,11 @@ class ModelRunner:
         self.block_size = block_size
         bytes_per_block = kv_cache_bytes_per_block(self.model.num_layers, block_size, self.model.num_kv_heads,
                                                    self.model.head_dim, self.dtype)
+        self.draft_model = self._load_draft_model()
+        if self.draft_model is not None:
+            bytes_per_block += kv_cache_bytes_per_block(self.draft_model.num_layers, block_size,
+                                                        self.draft_model.num_kv_heads, self.draft_model.head_dim,
+                                                        self.dtype)
         self.num_blocks = self._num_blocks(bytes_per_block)
         capacity = self.num_blocks * block_size
         if capacity < self.max_model_len:
@@ -72,6 +80,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, block_size,
                                             self.model.num_kv_heads, self.model.head_dim, self.dtype,
                                             self.device)
+        self.draft_kv_caches = None if self.draft_model is None else allocate_kv_caches(
+            self.draft_model.num_layers, self.num_blocks, block_size, self.draft_model.num_kv_heads,
+            self.draft_model.head_dim, self.dtype, self.device)
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
@@ -82,8 +93,26 @@ class ModelRunner:
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
 
-    def _context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> ForwardContext:
+    def context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> ForwardContext:
+        """The forward context of one step over ``kv_caches`` with this runner's kernels."""
         return ForwardContext(meta, kv_caches, self.attn_backend, self.fused_kernels)
+
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.
+
+        Raises:
+            ValueError: the draft's vocabulary differs from the target's.
+        """
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        from kilat.spec_decode.draft_model import draft_model_config
+
+        model, hf_config, _ = get_model(draft_model_config(spec, self.config.model, self.dtype), self.device)
+        if hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf_config.vocab_size}) must "
+                             f"equal the target's ({self.hf_config.vocab_size})")
+        return model
 
     def _num_blocks(self, bytes_per_block: int) -> int:
         cache = self.config.cache
@@ -104,7 +133,7 @@ class ModelRunner:
         caches = allocate_kv_caches(self.model.num_layers, -(-num_tokens // self.block_size), self.block_size,
                                     self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(self._context(meta, caches)):
+        with torch.inference_mode(), set_forward_context(self.context(meta, caches)):
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
             rows = min(num_tokens, self.config.scheduler.max_num_seqs)
             self.model.compute_logits(hidden[:rows])
@@ -119,11 +148,15 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, tuple[int, PositionLogprobs | None]]:
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager
+                ) -> dict[str, tuple[list[int], list[PositionLogprobs] | None]]:
         """Compute the scheduled tokens and sample for requests whose chunk reaches their last token.
 
-        Returns request id → (sampled token id, its logprobs or ``None``). Prompt logprobs, when asked
-        for, are appended to ``request.prompt_logprobs``.
+        A request's scheduled tokens past its known ones are its draft tokens (``spec_token_ids``), which are
+        verified (:mod:`kilat.spec_decode.rejection`).
+
+        Returns request id → (its new tokens: the accepted drafts then one sampled token; their logprobs or
+        ``None``). Prompt logprobs, when asked for, are appended to ``request.prompt_logprobs``.
         """
         if self.threads is not None:
             self.threads.maybe_adjust()
@@ -138,6 +171,7 @@ class ModelRunner:
             end = start + num_new
             row0 = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(request.spec_token_ids[:end - request.num_tokens])
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
@@ -147,8 +181,8 @@ class ModelRunner:
                 lp_to = min(end, request.num_prompt_tokens - 1)
                 if lp_from < lp_to:
                     prompt_lp.append((request, row0 + lp_from - start, lp_from, lp_to - lp_from))
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end >= request.num_tokens:
+                sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
                 sample_reqs.append(request)
 
         graphs = self.cuda_graphs
@@ -158,7 +192,7 @@ class ModelRunner:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            with set_forward_context(self._context(meta, self.kv_caches)):
+            with set_forward_context(self.context(meta, self.kv_caches)):
                 hidden = self.model(ids_t, pos_t)
         for request, row0, pos_from, count in prompt_lp:
             self._prompt_logprobs(request, hidden[row0:row0 + count], pos_from)
@@ -170,10 +204,14 @@ class ModelRunner:
         if any(r.grammar is not None for r in sample_reqs):
             from kilat.structured_outputs.manager import build_bitmask
 
-            bitmask = build_bitmask([r.grammar for r in sample_reqs], logits.shape[-1])
+            grammars = [r.grammar for r in sample_reqs for _ in range(len(r.spec_token_ids) + 1)]
+            bitmask = build_bitmask(grammars, logits.shape[-1])
+        if any(r.spec_token_ids for r in sample_reqs):
+            results = verify(logits, sample_reqs, bitmask)
+            return {r.request_id: result for r, result in zip(sample_reqs, results, strict=True)}
         out = self.sampler(logits, sample_reqs, bitmask)
-        return {r.request_id: (tok, lp) for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs,
-                                                              strict=True)}
+        return {r.request_id: ([tok], [lp] if lp is not None else None)
+                for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs, strict=True)}
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, pos_from: int) -> None:
         """Append logprobs of prompt tokens ``pos_from + 1 ..`` predicted by ``hidden`` [count, H]."""

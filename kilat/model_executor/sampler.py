@@ -23,16 +23,28 @@ Log-probabilities are of the raw model distribution (log-softmax of the input lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kilat.core.request import Request
+from kilat.outputs import Logprob, PositionLogprobs
+from kilat.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kilat.structured_outputs.manager import TokenBitmask
-from kilat.outputs import Logprob, PositionLogprobs
+
+
+class SamplingRow(Protocol):
+    """What sampling reads of one logits row: a :class:`~kilat.core.request.Request`, or a view of one at a
+    draft position (speculative decoding), whose ``output_token_ids`` then include the drafts before it."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+    generator: torch.Generator | None
 
 
 @dataclass
@@ -55,7 +67,7 @@ class Sampler:
     Stateless: all per-request state (parameters, token history, generator) comes from the requests.
     """
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRow],
                  bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Sample the next token of every request.
 
@@ -73,27 +85,45 @@ class Sampler:
         """
         if bitmask is None and all(_is_plain_greedy(r) for r in requests):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
-        processed = apply_logit_bias(logits, requests)
-        processed = apply_min_tokens(processed, requests)
-        processed = apply_penalties(processed, requests)
-        picked: dict[int, int] = {}
-        if bitmask is not None:
-            from kilat.structured_outputs.manager import allowed_argmax, apply_bitmask_
-
-            picked = allowed_argmax(processed, bitmask,
-                                    [r for r in bitmask.rows if requests[r].sampling_params.greedy])
-            masked = [r for r in bitmask.rows if r not in picked]
-            if masked:
-                if processed is logits and any(r.sampling_params.logprobs is not None for r in requests):
-                    processed = logits.clone()
-                apply_bitmask_(processed, bitmask, masked)
+        processed, picked = process_logits(logits, requests, bitmask)
         if len(picked) == len(requests):
             tokens = torch.tensor([picked[i] for i in range(len(requests))], device=logits.device)
         else:
             tokens = _sample(processed, requests)
             if picked:
                 tokens[list(picked)] = torch.tensor(list(picked.values()), device=logits.device)
-        return SamplerOutput(tokens.tolist(), _sample_logprobs(logits, tokens, requests))
+        return SamplerOutput(tokens.tolist(), sample_logprobs(logits, tokens, requests))
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                   bitmask: TokenBitmask | None = None) -> tuple[torch.Tensor, dict[int, int]]:
+    """Steps 1-3 of the module docstring: logit bias, ``min_tokens``, penalties, then the grammar bitmask.
+
+    Args:
+        logits: float32 ``[B, V]``, row ``i`` for ``rows[i]``; only a bitmask modifies it, in place, and only
+            when no row asks for logprobs (which need it raw).
+        rows: ``B`` rows supplying ``sampling_params``, ``prompt_token_ids``, ``output_token_ids`` and
+            ``eos_token_id``.
+        bitmask: structured outputs' allowed tokens of the constrained rows, or ``None``.
+
+    Returns:
+        ``(processed, picked)``: the processed ``[B, V]`` logits (``logits`` itself when nothing applied) and
+        the tokens already chosen for greedy constrained rows, ``{row: token id}``.
+    """
+    processed = apply_logit_bias(logits, rows)
+    processed = apply_min_tokens(processed, rows)
+    processed = apply_penalties(processed, rows)
+    picked: dict[int, int] = {}
+    if bitmask is not None:
+        from kilat.structured_outputs.manager import allowed_argmax, apply_bitmask_
+
+        picked = allowed_argmax(processed, bitmask, [r for r in bitmask.rows if rows[r].sampling_params.greedy])
+        masked = [r for r in bitmask.rows if r not in picked]
+        if masked:
+            if processed is logits and any(r.sampling_params.logprobs is not None for r in rows):
+                processed = logits.clone()
+            apply_bitmask_(processed, bitmask, masked)
+    return processed, picked
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int] | torch.Tensor,
@@ -115,14 +145,14 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int] | 
                             [num_logprobs] * logits.shape[0])
 
 
-def _is_plain_greedy(request: Request) -> bool:
+def _is_plain_greedy(request: SamplingRow) -> bool:
     """True when the row is a bare argmax: greedy, no bias, penalties, active ``min_tokens`` or logprobs."""
     params = request.sampling_params
     return (params.greedy and params.logprobs is None and not params.logit_bias
             and not params.uses_penalties and len(request.output_token_ids) >= params.min_tokens)
 
 
-def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Add each request's OpenAI ``logit_bias`` ({token id: bias}) to its row.
 
     Args:
@@ -146,7 +176,7 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
                             torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Set to ``-inf`` the ``stop_token_ids`` and EOS (unless ``ignore_eos``) of rows below ``min_tokens``.
 
     Args:
@@ -179,7 +209,7 @@ def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Apply repetition, frequency and presence penalties to the rows that use any (vLLM order).
 
     Repetition (CTRL): a logit of a token seen in the prompt or output is divided by the penalty when
@@ -220,7 +250,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     return logits.index_put((torch.tensor(rows, device=device),), sub)
 
 
-def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """int64 ``[B]``: argmax for greedy rows, a random sample for the others."""
     random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
     if not random_rows:
@@ -233,8 +263,23 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return tokens
 
 
-def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature → top-k → top-p → min-p → exponential-race sample; int64 ``[R]``."""
+    probs = sampling_probs(logits, requests)
+    return probs.div_(exponential_noise(probs.shape, requests, logits.device)).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, top-k, top-p, then min-p.
+
+    Args:
+        logits: float32 ``[R, V]`` processed logits of non-greedy rows; not modified.
+        requests: ``R`` rows supplying ``sampling_params``.
+
+    Returns:
+        float32 ``[R, V]`` probabilities; min-p leaves them unnormalized (zeroed tokens are not renormalized),
+        which the exponential race and the rejection test both allow: divide by the row sum for a distribution.
+    """
     params = [r.sampling_params for r in requests]
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
@@ -248,7 +293,7 @@ def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     if any(m > 0.0 for m in min_p):
         threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
         probs = probs.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs.div_(_exponential_noise(probs.shape, requests, device)).argmax(dim=-1)
+    return probs
 
 
 def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -285,7 +330,7 @@ def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
 
-def _exponential_noise(shape: torch.Size, requests: list[Request], device: torch.device) -> torch.Tensor:
+def exponential_noise(shape: torch.Size, requests: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
     """``[R, V]`` Exponential(1) noise.
 
     The unseeded rows share one draw from the global RNG. A seeded row's noise depends only on its
@@ -322,8 +367,8 @@ def _fill_exponential(out: torch.Tensor, generator: torch.Generator | None = Non
     return out.uniform_(generator=generator).log_().neg_()
 
 
-def _sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                     requests: list[Request]) -> list[PositionLogprobs | None]:
+def sample_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                     requests: Sequence[SamplingRow]) -> list[PositionLogprobs | None]:
     """Raw-distribution logprob entries for the rows whose request set ``logprobs``; ``None`` elsewhere."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     result: list[PositionLogprobs | None] = [None] * len(requests)

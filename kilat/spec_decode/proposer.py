@@ -1,0 +1,55 @@
+"""The proposer interface of speculative decoding and the choice of proposer from the config.
+
+After each step the engine core hands the proposer the requests that step ran; the proposer sets
+``request.spec_token_ids`` (and, for a draft model, ``request.spec_probs``) of those that decode. The
+scheduler then schedules each draft as one more token to compute, and the sampler verifies them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from kilat.core.request import Request
+
+if TYPE_CHECKING:
+    from kilat.config import SpeculativeConfig
+    from kilat.core.kv_cache_manager import KVCacheManager
+    from kilat.model_executor.model_runner import ModelRunner
+
+
+class Proposer(Protocol):
+    """Drafts tokens for decoding requests (n-gram lookup, a draft model; EAGLE or MTP heads later)."""
+
+    def propose(self, requests: list[Request], kv: KVCacheManager) -> None:
+        """Set the drafts of every request in ``requests`` that decodes (see :func:`num_draft_slots`).
+
+        Args:
+            requests: the running requests of the step that just finished, after their tokens were appended.
+            kv: the block tables (a draft model writes its KV into the same slots as the target).
+        """
+
+
+def num_draft_slots(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
+    """How many draft tokens (0 .. ``num_speculative_tokens``) are worth proposing for ``request`` now.
+
+    None unless the request decodes (every token but the last sampled one is computed) and has no grammar
+    (structured outputs are not speculated). Drafts never reach past ``max_model_len`` positions, nor past
+    ``max_tokens`` (the target adds one token of its own to the accepted drafts).
+    """
+    if request.grammar is not None or request.num_computed_tokens != request.num_tokens - 1:
+        return 0
+    room = max_model_len - request.num_tokens
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - request.num_output_tokens - 1)
+    return max(0, min(num_speculative_tokens, room))
+
+
+def build_proposer(config: SpeculativeConfig, runner: ModelRunner) -> Proposer:
+    """The proposer of ``config.method``; a draft model comes loaded, with its KV cache, from ``runner``."""
+    if config.method == "ngram":
+        from kilat.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config, runner.max_model_len)
+    from kilat.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, runner)

@@ -1,0 +1,46 @@
+"""Speculative decoding counters of ``/metrics`` (``kilat:spec_decode_*``), rendered without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kilat.bench.serve import parse_samples, spec_decode_metrics
+from kilat.metrics.prometheus import PrometheusStatLogger
+from kilat.metrics.stats import EngineStats, SpecDecodeStats
+
+# 4 passes of 3 drafts: 7 accepted (4 at position 0, 3 at position 1, none at 2), 7 + 4 emitted
+SPEC = SpecDecodeStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7, num_emitted_tokens=11,
+                       num_accepted_tokens_per_pos=[4, 3, 0])
+
+
+def render(stats: EngineStats) -> str:
+    logger = PrometheusStatLogger()
+    logger.record([], stats)
+    return logger.render().decode()
+
+
+def test_spec_decode_counters_are_exported() -> None:
+    lines = render(EngineStats(spec_decode=SPEC)).splitlines()
+    for sample in ("kilat:spec_decode_num_drafts_total 4.0", "kilat:spec_decode_num_draft_tokens_total 12.0",
+                   "kilat:spec_decode_num_accepted_tokens_total 7.0", "kilat:spec_decode_num_emitted_tokens_total 11.0",
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4.0',
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0',
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 0.0',
+                   "# TYPE kilat:spec_decode_num_accepted_tokens_per_pos_total counter"):
+        assert sample in lines
+
+
+def test_without_speculation_counters_are_zero() -> None:
+    text = render(EngineStats())
+    assert "kilat:spec_decode_num_draft_tokens_total 0.0" in text.splitlines()
+    assert "kilat:spec_decode_num_accepted_tokens_per_pos_total{" not in text
+
+
+def test_bench_reads_the_rendered_counters() -> None:
+    """What the server renders is what ``kilat bench serve`` computes its rates from."""
+    before = parse_samples(render(EngineStats()))
+    after = parse_samples(render(EngineStats(spec_decode=SPEC)))
+    assert spec_decode_metrics(before, after) == {
+        "spec_decode_acceptance_rate": pytest.approx(7 / 12), "spec_decode_mean_acceptance_length": 11 / 4,
+        "spec_decode_acceptance_per_pos": [1.0, 0.75, 0.0]}
+    assert spec_decode_metrics(before, before)["spec_decode_acceptance_rate"] is None
