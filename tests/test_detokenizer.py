@@ -146,8 +146,12 @@ def test_include_stop_str_in_output(tokenizer: PreTrainedTokenizerBase) -> None:
 
 def test_stop_in_middle_of_chunk_drops_rest(tokenizer: PreTrainedTokenizerBase) -> None:
     detok = detokenizer(tokenizer, stop=["world"])
-    assert detok.add_tokens(tokenizer.encode(TEXT)) == "world"
+    ids = tokenizer.encode(TEXT)
+    assert detok.add_tokens(ids) == "world"
     assert detok.output_text == "Hello "
+    # only the tokens up to the one completing the stop string count as added (speculative decoding)
+    assert tokenizer.decode(ids[:detok.num_tokens]).endswith("world")
+    assert not tokenizer.decode(ids[:detok.num_tokens - 1]).endswith("world")
 
 
 def test_first_completed_stop_string_wins(tokenizer: PreTrainedTokenizerBase) -> None:

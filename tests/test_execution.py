@@ -86,7 +86,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert set(sections) == {"kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-                             "hf-smollm2-135m"}
+                             "hf-smollm2-135m", "spec_decode"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     assert sections["kernels"]["all_pass"] is True
     assert {c["case"] for c in sections["kernels"]["correctness"] if c["op"] == "attention"} == {
@@ -96,3 +96,22 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert sections[f"hf-{model}"]["w1_generate_batch"]["output_tokens"] == 8 * 8
         assert report["summary"][f"{model} W1 kilat / HF generate_batch"]["value"] > 0
     assert report["summary"]["kernels match the torch reference"]["met"] is True
+    spec = sections["spec_decode"]
+    assert spec["bfloat16"]["ngram-k4"]["output_tokens"] == 8 and spec["bfloat16"]["ngram-k4"]["spec_decode"]
+    assert report["summary"]["spec_decode ngram-k4 / none tokens/s (bf16, W2 copy prompt)"]["value"] > 0
+    assert report["summary"]["spec_decode greedy float32 equal with ngram-k4 and without"]["met"] is True
+
+
+@pytest.mark.slow
+def test_spec_decode_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/spec_decode.py --smoke: no speculation and ngram k=2 on the copy prompt, equal in float32."""
+    out = tmp_path / "spec_decode.json"
+    proc = subprocess.run([sys.executable, "benchmarks/spec_decode.py", "--smoke", "--dtype", "float32",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["complete"] and not report["errors"] and set(report["configs"]) == {"none", "ngram-k2"}
+    ngram = report["configs"]["ngram-k2"]
+    assert ngram["output_tokens"] == 8 and ngram["identical_to_baseline"] is True
+    assert ngram["spec_decode"]["num_draft_tokens"] > 0 and 0 <= ngram["spec_decode"]["acceptance_rate"] <= 1
+    assert "| ngram-k2 |" in proc.stdout

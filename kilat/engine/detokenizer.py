@@ -56,8 +56,17 @@ class IncrementalDetokenizer:
         """The completion's text so far (cut at a matched stop string)."""
         return self._text
 
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens added so far (a matched stop string leaves out the tokens after it)."""
+        return self._num_generated
+
     def add_tokens(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append generated tokens to the text and look for stop strings in the new text.
+
+        Several tokens at once (speculative decoding) are matched one by one, so that the tokens after the
+        one completing a stop string are not added, as if they had arrived one at a time: :attr:`num_tokens`
+        tells how many were.
 
         Args:
             new_token_ids: the tokens generated since the last call.
@@ -68,6 +77,16 @@ class IncrementalDetokenizer:
             The matched stop string (the text is then cut at it), or ``None``. Stop strings are not
             looked for until ``min_tokens`` tokens were generated (vLLM's rule).
         """
+        if not self.params.stop or len(new_token_ids) <= 1:
+            return self._add(new_token_ids, stop_terminated)
+        for i, token in enumerate(new_token_ids):
+            stop = self._add([token], stop_terminated and i == len(new_token_ids) - 1)
+            if stop is not None:
+                return stop
+        return None
+
+    def _add(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        """:meth:`add_tokens` for tokens matched together."""
         self._num_generated += len(new_token_ids)
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]

@@ -111,12 +111,18 @@ class OutputProcessor:
             completion = state.output.outputs[parent[1]]
             stop_terminated = co.finish_reason == "stop"
             detok = state.detokenizers[parent[1]] if state.detokenizers else None
-            stop_str = detok.add_tokens(co.new_token_ids, stop_terminated) if detok is not None else None
-            completion.token_ids.extend(co.new_token_ids)
+            new_token_ids, new_logprobs = co.new_token_ids, co.new_logprobs
+            stop_str = None
             if detok is not None:
+                num_before = detok.num_tokens
+                stop_str = detok.add_tokens(new_token_ids, stop_terminated)
                 completion.text = detok.output_text
-            if co.new_logprobs is not None and completion.logprobs is not None:
-                completion.logprobs.extend(self._decode_logprobs(co.new_logprobs))
+                # several tokens at once (speculative decoding): none after the one completing a stop string
+                new_token_ids = new_token_ids[:detok.num_tokens - num_before]
+                new_logprobs = new_logprobs[:len(new_token_ids)] if new_logprobs is not None else None
+            completion.token_ids.extend(new_token_ids)
+            if new_logprobs is not None and completion.logprobs is not None:
+                completion.logprobs.extend(self._decode_logprobs(new_logprobs))
             if co.prompt_logprobs is not None and state.output.prompt_logprobs is None:
                 self._decode_logprobs(co.prompt_logprobs[1:])
                 state.output.prompt_logprobs = co.prompt_logprobs
