@@ -37,3 +37,15 @@ def test_bad_engine_flag_exits_with_message(tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", tiny_llama_dir, "--block-size", "3", "--prompt", "x"])
     assert e.value.code == 2 and "block_size" in capsys.readouterr().err
+
+
+def test_speculative_config_flag_gives_the_same_output(tiny_llama_dir, capsys):
+    args = [tiny_llama_dir, "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", str(16 << 20),
+            "--max-tokens", "12", "--prompt", "Hello Hello Hello"]
+    main(["generate", *args])
+    plain = capsys.readouterr().out
+    main(["generate", *args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert capsys.readouterr().out == plain and plain.strip()
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *args, "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
+    assert e.value.code == 2 and "speculative_config.method" in capsys.readouterr().err
