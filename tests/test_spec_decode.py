@@ -50,7 +50,7 @@ def test_ngram_lookup_copies_what_followed_the_latest_longest_match():
     assert ngram_lookup([1, 2, 1, 2], 2, 2, 0) == []
 
 
-def test_draft_slots_respect_max_tokens_model_len_and_grammar():
+def test_draft_slots_respect_max_tokens_and_model_len():
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=None)
     assert num_draft_slots(request, 4, 100) == 0  # the prompt is not computed yet
     request.num_computed_tokens = 3

@@ -93,14 +93,26 @@ def test_seeded_sampling_reproduces_in_any_batch(ngram):
     assert mixed[1].token_ids == alone and len(alone) == 40
 
 
-def test_structured_and_unconstrained_requests_in_one_batch(base, ngram):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
-    constrained = SamplingParams(temperature=0, max_tokens=30,
-                                 structured_outputs=StructuredOutputsParams(json=schema))
+def test_structured_outputs_are_speculated_and_unchanged(base, ngram):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
+    copy = [{"role": "user", "content": 'Copy this JSON exactly: {"name": "Alice Wonderland", "city": "Paris", '
+                                        '"age": 31}'}]
+    greedy = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    accepted = ngram.engine.stats.spec_decode.num_accepted_tokens
+    got = chat(ngram, greedy, [copy])[0]
+    assert ngram.engine.stats.spec_decode.num_accepted_tokens - accepted >= 5
+    assert got.token_ids == chat(base, greedy, [copy])[0].token_ids
+    assert set(json.loads(got.text)) == {"name", "city", "age"}
+    # sampled: drafts the grammar forbids are rejected, so every sample is valid JSON of the schema
+    sampled = SamplingParams(temperature=1.0, seed=3, n=6, max_tokens=60,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+    for completion in ngram.chat([copy], sampled, use_tqdm=False)[0].outputs:
+        if completion.finish_reason == "stop":
+            value = json.loads(completion.text)
+            assert set(value) == {"name", "city", "age"} and isinstance(value["age"], int)
+    # a constrained and an unconstrained request in one batch: the unconstrained one is unchanged
     plain = SamplingParams(temperature=0, max_tokens=50)
-    person = [{"role": "user", "content": "Give me a person as JSON."}]
-    got = chat(ngram, [plain, constrained], [COPY_PROMPT, person])
-    assert got[0].token_ids == chat(base, plain)[0].token_ids
-    assert set(json.loads(got[1].text)) == {"name"}
-    assert got[1].text == chat(base, constrained, [person])[0].text
+    mixed = chat(ngram, [plain, greedy], [COPY_PROMPT, copy])
+    assert mixed[0].token_ids == chat(base, plain)[0].token_ids and mixed[1].token_ids == got.token_ids
     assert_all_free(ngram)

@@ -190,3 +190,31 @@ def test_allowed_argmax_equals_argmax_of_masked_logits() -> None:
     assert 1 not in picks or picks[1] == 101
     assert 5 not in picks  # nothing allowed is finite: left to the masked path
     assert all(picks[r] == expected[r] for r in picks) and {0, 2, 3} <= set(picks)
+
+
+def test_bitmask_rows_follow_drafts_and_leave_the_matcher_as_it_was(llm: LLM) -> None:
+    import time
+
+    from kilat.structured_outputs.manager import TokenBitmask, build_bitmask
+
+    tokenizer = llm.get_tokenizer()
+    state = llm.engine.core._structured_outputs().submit(StructuredOutputsParams(choice=["Jakarta", "Bandung"]))
+    while not state.ready:
+        time.sleep(0.01)
+    jakarta = tokenizer.encode("Jakarta")
+    bandung = tokenizer.encode("Bandung")
+    vocab = llm.engine.hf_config.vocab_size
+
+    def allowed(mask: TokenBitmask, row: int) -> set[int]:
+        words = mask.bitmask[row]
+        return {t for t in (jakarta + bandung + [2]) if (int(words[t >> 5]) >> (t & 31)) & 1}
+
+    # drafts: all of "Jakarta" (+ EOS, which completes the grammar), so rows after each draft are filled
+    mask = build_bitmask([None, state], vocab, [[5, 6], jakarta + [2]])
+    assert mask.rows == list(range(3, 3 + len(jakarta) + 1))  # rows 0-2 belong to the unconstrained request
+    assert allowed(mask, 3) == {jakarta[0], bandung[0]}
+    assert allowed(mask, 3 + len(jakarta)) == {2}  # after the whole word only EOS is allowed
+    # a draft the grammar forbids: only the rows up to it are constrained
+    mask = build_bitmask([state], vocab, [[bandung[0], jakarta[-1], 7]])
+    assert mask.rows == [0, 1] and jakarta[-1] not in allowed(mask, 1)
+    assert state.matcher.accept_token(jakarta[0])  # the matcher was rolled back to the start

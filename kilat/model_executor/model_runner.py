@@ -204,8 +204,8 @@ class ModelRunner:
         if any(r.grammar is not None for r in sample_reqs):
             from kilat.structured_outputs.manager import build_bitmask
 
-            grammars = [r.grammar for r in sample_reqs for _ in range(len(r.spec_token_ids) + 1)]
-            bitmask = build_bitmask(grammars, logits.shape[-1])
+            bitmask = build_bitmask([r.grammar for r in sample_reqs], logits.shape[-1],
+                                    [r.spec_token_ids for r in sample_reqs])
         if any(r.spec_token_ids for r in sample_reqs):
             results = verify(logits, sample_reqs, bitmask)
             return {r.request_id: result for r, result in zip(sample_reqs, results, strict=True)}

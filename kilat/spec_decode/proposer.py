@@ -32,11 +32,12 @@ class Proposer(Protocol):
 def num_draft_slots(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
     """How many draft tokens (0 .. ``num_speculative_tokens``) are worth proposing for ``request`` now.
 
-    None unless the request decodes (every token but the last sampled one is computed) and has no grammar
-    (structured outputs are not speculated). Drafts never reach past ``max_model_len`` positions, nor past
-    ``max_tokens`` (the target adds one token of its own to the accepted drafts).
+    None unless the request decodes (every token but the last sampled one is computed). Drafts never reach
+    past ``max_model_len`` positions, nor past ``max_tokens`` (the target adds one token of its own to the
+    accepted drafts). A request with structured outputs is drafted for like any other: the grammar's bitmask
+    of each draft position makes the verification reject drafts the grammar forbids.
     """
-    if request.grammar is not None or request.num_computed_tokens != request.num_tokens - 1:
+    if request.num_computed_tokens != request.num_tokens - 1:
         return 0
     room = max_model_len - request.num_tokens
     if request.max_tokens is not None:

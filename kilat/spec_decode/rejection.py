@@ -49,7 +49,6 @@ class DraftPositionRow:
             request.output_token_ids
         self.eos_token_id = request.eos_token_id
         self.generator = request.generator
-        self.grammar = request.grammar if j == 0 else None
 
 
 def verify(logits: torch.Tensor, requests: list[Request], bitmask: TokenBitmask | None = None
@@ -61,7 +60,8 @@ def verify(logits: torch.Tensor, requests: list[Request], bitmask: TokenBitmask 
             target's logits at its last known token and at each of its drafts.
         requests: the requests, with ``spec_token_ids`` (and ``spec_probs``, float32 ``[k, V]``, for drafts a
             draft model sampled; ``None`` means point masses).
-        bitmask: structured outputs' allowed tokens, by row of ``logits`` (constrained requests have no drafts).
+        bitmask: structured outputs' allowed tokens, by row of ``logits`` (a constrained request's rows are
+            filled after each of its drafts, see :func:`~kilat.structured_outputs.manager.build_bitmask`).
 
     Returns:
         Per request: ``(token_ids, logprobs)``, with ``1 .. k + 1`` tokens (the accepted drafts, then the

@@ -109,20 +109,48 @@ class TokenBitmask:
     rows: list[int]
 
 
-def build_bitmask(grammars: list[GrammarState | None], vocab_size: int) -> TokenBitmask | None:
+def build_bitmask(grammars: list[GrammarState | None], vocab_size: int,
+                  drafts: list[list[int]] | None = None) -> TokenBitmask | None:
     """The step's token bitmask, or ``None`` when no row is constrained.
 
     Args:
-        grammars: per sampled row, its request's grammar state (ready) or ``None``.
+        grammars: per sampled request, its grammar state (ready) or ``None``.
         vocab_size: logit columns.
+        drafts: per request, its draft tokens (speculative decoding); ``None`` means none. A request has
+            ``1 + len(drafts)`` rows: the tokens allowed after its known tokens, then after each draft. Rows
+            after a draft the grammar rejects (or after one that completes it) stay unconstrained: the
+            verification stops at that draft, since its own row forbids it.
     """
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
+    if all(g is None for g in grammars):
         return None
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for row in rows:
-        grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+    drafts = drafts if drafts is not None else [[] for _ in grammars]
+    bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for d in drafts), vocab_size)
+    rows: list[int] = []
+    row0 = 0
+    for grammar, tokens in zip(grammars, drafts, strict=True):
+        if grammar is not None:
+            rows.extend(_fill_rows(grammar.matcher, tokens, bitmask, row0))
+        row0 += 1 + len(tokens)
     return TokenBitmask(bitmask, rows)
+
+
+def _fill_rows(matcher: xgr.GrammarMatcher, drafts: list[int], bitmask: torch.Tensor, row0: int) -> list[int]:
+    """Fill row ``row0`` from the matcher's state, then one row after each draft it accepts (until one completes
+    the grammar); roll the matcher back to where it was. Returns the filled rows."""
+    matcher.fill_next_token_bitmask(bitmask, row0)
+    filled = [row0]
+    accepted = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row0 + accepted)
+        filled.append(row0 + accepted)
+    if accepted:
+        matcher.rollback(accepted)
+    return filled
 
 
 def apply_bitmask_(logits: torch.Tensor, mask: TokenBitmask, rows: list[int]) -> None:
