@@ -21,6 +21,7 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -79,6 +80,15 @@ def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None) -> torch.dty
     if checkpoint_dtype == torch.float16:
         return torch.float16
     return torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A ``dtype`` string naming a torch dtype (the inverse of :func:`resolve_dtype` for explicit names).
+
+    Raises:
+        KeyError: a dtype kilat does not run in.
+    """
+    return _DTYPE_NAMES[dtype]
 
 
 @dataclass

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from kilat.config import EngineArgs, SchedulerConfig, SpeculativeConfig
 from kilat.core.kv_cache_manager import KVCacheManager
-from kilat.core.request import Request
+from kilat.core.request import Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.sampling_params import SamplingParams
 from kilat.spec_decode.ngram import ngram_lookup
@@ -52,12 +52,16 @@ def test_ngram_lookup_copies_what_followed_the_latest_longest_match():
 
 def test_draft_slots_respect_max_tokens_and_model_len():
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=None)
+    request.status = RequestStatus.RUNNING
     assert num_draft_slots(request, 4, 100) == 0  # the prompt is not computed yet
     request.num_computed_tokens = 3
     request.append_output_token(9)
     assert num_draft_slots(request, 8, 100) == 3  # 1 output, max 5: 3 drafts + the target's own token
     assert num_draft_slots(request, 2, 100) == 2
-    assert num_draft_slots(request, 8, 6) == 2  # positions 4 and 5 are the last below max_model_len 6
+    # a draft at position 4, then the target's token at position 5, the last below max_model_len 6
+    assert num_draft_slots(request, 8, 6) == 1
+    request.status = RequestStatus.FINISHED_STOPPED
+    assert num_draft_slots(request, 8, 100) == 0
 
 
 def _decoding_request(scheduler: Scheduler, prompt_len: int) -> Request:
@@ -177,3 +181,14 @@ def test_penalties_see_earlier_drafts():
     request = Request("a", [0], SamplingParams(temperature=0, repetition_penalty=2.0), eos_token_id=None)
     request.spec_token_ids = [1]
     assert verify(logits, [request])[0][0] == [1, 2]
+
+
+def test_lookahead_stops_short_of_max_model_len():
+    # the cache holds exactly max_model_len tokens: a prompt near it must still be scheduled
+    kv = KVCacheManager(num_blocks=4, block_size=16, enable_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=64,
+                          num_lookahead_tokens=4)
+    request = Request("r", list(range(1, 63)), SamplingParams(max_tokens=100), eos_token_id=None)
+    scheduler.add_request(request)
+    assert [n for _, n in scheduler.schedule().scheduled] == [62]
+    assert len(kv.get_block_ids(request)) == 4  # 62 tokens + 1 lookahead slot (drafts stop before 63)

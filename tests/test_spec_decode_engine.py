@@ -107,3 +107,44 @@ def test_sampled_tokens_keep_the_target_distribution(small_vocab_models, method)
     # a seed reproduces its sample, alone or in another batch
     again = llm.generate([{"prompt_token_ids": PROMPT}] * 3, [params[7], params[0], params[2999]], use_tqdm=False)
     assert [tuple(o.outputs[0].token_ids) for o in again] == [samples[7], samples[0], samples[2999]]
+
+
+def _assert_cached_draft_kv_equals_target(llm: LLM) -> int:
+    """Check that every block in the prefix cache holds the same KV in the draft's cache as in the target's
+    (a model drafting for itself); returns how many blocks were checked."""
+    runner = llm.engine.core.runner
+    cached = [b.block_id for b in llm.engine.core.kv.pool._cached.values()]
+    for target, draft in zip(runner.kv_caches, runner.draft_kv_caches, strict=True):
+        assert draft[:, cached].abs().sum() > 0
+        torch.testing.assert_close(draft[:, cached], target[:, cached])
+    return len(cached)
+
+
+def test_draft_model_kv_survives_prefix_hits_and_preemption(tiny_llama_dir):
+    """A model drafting for itself agrees with itself only if its own KV is right at every position: after a
+    prefix-cache hit on blocks computed by a request that finished in its first step, and after preemption."""
+    spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}
+    kwargs = {"dtype": "float32", "max_model_len": 256, "block_size": 4}
+    base = LLM(tiny_llama_dir, **kwargs, kv_cache_memory=32 << 20)
+    llm = LLM(tiny_llama_dir, **kwargs, kv_cache_memory=32 << 20, speculative_config=spec)
+    prompt = list(range(100, 141))
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    # the request finished in its first step; its 10 cached prompt blocks hold the draft's KV too, which for
+    # a model drafting for itself equals the target's
+    assert _assert_cached_draft_kv_equals_target(llm) == 10
+    stats = llm.engine.stats
+    hits = stats.prefix_cache_hits
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert stats.prefix_cache_hits - hits == 40 and stats.spec_decode.acceptance_rate == 1.0
+    assert out == base.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    # 40 blocks of 4 tokens cannot hold 6 requests growing to 40 + 24 tokens: preemption recomputes
+    small = LLM(tiny_llama_dir, **kwargs, num_gpu_blocks_override=70, speculative_config=spec)
+    prompts = [list(range(200 + 7 * i, 240 + 7 * i)) for i in range(6)]
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)] == want
+    assert small.engine.stats.num_preemptions > 0 and small.engine.stats.spec_decode.acceptance_rate == 1.0
+    assert _assert_cached_draft_kv_equals_target(small) > 10
+    kv = small.engine.core.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks and not kv.req_blocks

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
-from kilat.core.scheduler import Scheduler
+from kilat.core.scheduler import Scheduler, SchedulerOutput
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
@@ -76,9 +76,9 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         spec = config.speculative
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   spec.num_speculative_tokens if spec and spec.method == "draft_model" else 0)
         self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self.runner)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   self.proposer.num_lookahead_tokens if self.proposer is not None else 0)
         self.stats = EngineStats()
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d)",
@@ -133,11 +133,18 @@ class EngineCore:
         last.kv_cache_usage = self.kv.usage
         return self.stats
 
+    def _fail_step(self, sched: SchedulerOutput) -> None:
+        """The step's KV was not (fully) written: abort its requests and drop every cached hash, so that no
+        later request reuses a block holding garbage; other requests simply recompute."""
+        self.abort_requests([r.request_id for r, _ in sched.scheduled])
+        self.kv.pool.reset_prefix_cache()
+
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return an output for every request that sampled a token or finished.
 
         Raises:
-            StepFailed: the model raised; the step's requests are aborted and the prefix cache cleared.
+            StepFailed: the model (or the draft model) raised; the step's requests are aborted (those that
+                finished in it report ``abort`` too) and the prefix cache is cleared.
         """
         start = time.perf_counter()
         # A grammar that compiles with an error ends its request here, in order, with finish reason "abort".
@@ -147,19 +154,21 @@ class EngineCore:
         try:
             results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
         except Exception as e:
-            # The step's KV was not (fully) written: drop its requests and every cached hash, so that no
-            # later request reuses a block holding garbage; other requests simply recompute.
-            failed = [r.request_id for r, _ in sched.scheduled]
-            self.abort_requests(failed)
-            self.kv.pool.reset_prefix_cache()
-            raise StepFailed(failed, e) from e
+            self._fail_step(sched)
+            raise StepFailed([r.request_id for r, _ in sched.scheduled], e) from e
         now = time.time()
         num_drafts = {r.request_id: len(r.spec_token_ids) for r, _ in sched.scheduled}
         num_before = {r.request_id: r.num_output_tokens for r, _ in sched.scheduled}
+        block_tables = [self.kv.get_block_ids(r) if self.proposer is not None and self.proposer.num_lookahead_tokens
+                        else [] for r, _ in sched.scheduled]
         sampled = {rid: tokens for rid, (tokens, _) in results.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
         if self.proposer is not None:
-            self.proposer.propose([r for r, _ in sched.scheduled if r.status == RequestStatus.RUNNING], self.kv)
+            try:
+                self.proposer.propose([r for r, _ in sched.scheduled], block_tables)
+            except Exception as e:  # the draft model raised: as a failed step, after the tokens were added
+                self._fail_step(sched)
+                raise StepFailed([r.request_id for r, _ in sched.scheduled], e) from e
 
         for request, _ in sched.scheduled:
             rid = request.request_id

@@ -110,15 +110,21 @@ class Scheduler:
 
     def _fit_drafts(self, request: Request, room: int) -> None:
         """Keep only the drafts that fit in ``room`` tokens of this step's budget."""
-        if room < len(request.spec_token_ids):
-            request.spec_token_ids = request.spec_token_ids[:max(room, 0)]
+        if room <= 0:
+            request.clear_drafts()
+        elif room < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:room]
             if request.spec_probs is not None:
-                request.spec_probs = request.spec_probs[:max(room, 0)]
+                request.spec_probs = request.spec_probs[:room]
 
     def _lookahead(self, request: Request, scheduled_end: int) -> int:
         """Draft-model slots to reserve when the step's chunk (ending at token ``scheduled_end``) reaches the
-        request's last known token, after which the request samples and is drafted for."""
-        return self.num_lookahead_tokens if scheduled_end >= request.num_tokens else 0
+        request's last known token, after which the request samples and is drafted for. Drafts never reach
+        position ``max_model_len - 1`` (see :func:`~kilat.spec_decode.num_draft_slots`), so neither do the
+        slots."""
+        if scheduled_end < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - 1 - scheduled_end))
 
     def failed_grammars(self) -> list[str]:
         """Ids of waiting requests whose grammar failed to compile (the engine core aborts them)."""

@@ -21,20 +21,21 @@ class _RequestState:
     core_ids: list[str] = field(default_factory=list)
 
 
-def _update_metrics(output: RequestOutput, co: EngineCoreOutput, now: float, finished: bool) -> None:
+def _update_metrics(output: RequestOutput, co: EngineCoreOutput, num_new_tokens: int, now: float,
+                    finished: bool) -> None:
     """Take (a copy of) the core's timings when it sends them, with the first token and at finish; in
-    between, and for a request ended by a stop string here, time tokens as they arrive (``now``, seconds
-    since the epoch)."""
+    between, and for a request ended by a stop string here, time the ``num_new_tokens`` tokens kept of
+    ``co`` as they arrive (``now``, seconds since the epoch)."""
     if co.metrics is not None:
         output.metrics = replace(co.metrics)
         return
     metrics = output.metrics
     assert metrics is not None
-    if co.new_token_ids:
+    if num_new_tokens:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        metrics.num_generation_tokens += len(co.new_token_ids)
+        metrics.num_generation_tokens += num_new_tokens
     if finished and metrics.finished_time is None:
         metrics.finished_time = now
 
@@ -133,7 +134,7 @@ class OutputProcessor:
                     to_abort.append(co.request_id)
                 finish_reason, stop_reason = "stop", stop_str
             if parent[1] == 0:
-                _update_metrics(state.output, co, now, finish_reason is not None)
+                _update_metrics(state.output, co, len(new_token_ids), now, finish_reason is not None)
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason

@@ -123,8 +123,9 @@ class ModelRunner:
         return max(2, (cache.kv_cache_memory or _DEFAULT_CPU_KV_BYTES) // bytes_per_block)
 
     def _profile_cuda_blocks(self, bytes_per_block: int) -> int:
-        """Run a forward at the full token budget and logits for ``max_num_seqs`` rows, then give the KV cache
-        what is left of ``gpu_memory_utilization`` × device memory after the peak."""
+        """Run a forward at the full token budget and logits for ``max_num_seqs`` rows (times ``1 + k`` with
+        ``k`` speculative tokens), then give the KV cache what is left of ``gpu_memory_utilization`` × device
+        memory after the peak (the draft model's weights included; its activations are not profiled)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
@@ -135,7 +136,9 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode(), set_forward_context(self.context(meta, caches)):
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
-            rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+            spec = self.config.speculative
+            rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # verified drafts
+            rows = min(num_tokens, self.config.scheduler.max_num_seqs * rows_per_seq)
             self.model.compute_logits(hidden[:rows])
         del hidden
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -3,9 +3,9 @@
 The draft model has its own paged KV cache with the target's block layout: the same block ids, so a
 request's block table serves both models and prefix-cache hits hold the draft's KV as well as the target's.
 To keep that true, after every step the draft computes exactly the positions the target confirmed
-(``request.draft_num_computed`` catches up with ``num_computed_tokens``, prompt chunks included); for a
-decoding request it continues through the last sampled token and drafts ``k`` tokens, writing their KV into
-the lookahead slots the scheduler reserved.
+(``request.draft_num_computed`` catches up with ``num_computed_tokens``, prompt chunks included, and for
+requests that finished in the step too); for a decoding request it continues through the last sampled
+token and drafts ``k`` tokens, writing their KV into the lookahead slots the scheduler reserved.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kilat.config import ModelConfig, SpeculativeConfig
-from kilat.core.kv_cache_manager import KVCacheManager
+from kilat.config import ModelConfig, SpeculativeConfig, dtype_name
 from kilat.core.request import Request
 from kilat.model_executor.attention import AttentionMetadata
 from kilat.model_executor.forward_context import set_forward_context
@@ -28,12 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kilat")
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def draft_model_config(config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype) -> ModelConfig:
     """The draft's :class:`ModelConfig`: ``config.model`` in the target's resolved ``dtype``."""
-    return ModelConfig(model=config.model, load_format=config.load_format, dtype=_DTYPE_NAMES[dtype],
+    return ModelConfig(model=config.model, load_format=config.load_format, dtype=dtype_name(dtype),
                        max_model_len=target.max_model_len, seed=target.seed + 1)
 
 
@@ -52,6 +48,7 @@ class DraftModelProposer:
         if runner.draft_model is None or runner.draft_kv_caches is None:
             raise ValueError("speculative_config.method 'draft_model' needs the runner to load the draft model")
         self.config = config
+        self.num_lookahead_tokens = config.num_speculative_tokens
         self.model = runner.draft_model
         self.kv_caches = runner.draft_kv_caches
         self.context = runner.context
@@ -60,16 +57,19 @@ class DraftModelProposer:
         self.max_model_len = runner.max_model_len
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], kv: KVCacheManager) -> None:
+    def propose(self, requests: list[Request], block_tables: list[list[int]]) -> None:
         """Bring the draft's KV up to each request's confirmed tokens and draft for the decoding ones."""
         batch: list[tuple[Request, int, int, int]] = []  # (request, first position, end, drafts wanted)
-        for request in requests:
+        tables: dict[str, list[int]] = {}
+        for request, table in zip(requests, block_tables, strict=True):
             request.clear_drafts()
             request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
             wanted = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len)
-            end = request.num_tokens if wanted else request.num_computed_tokens
+            # (a request that stopped inside its accepted drafts computed tokens past its last one)
+            end = request.num_tokens if wanted else min(request.num_computed_tokens, request.num_tokens)
             if end > request.draft_num_computed:
                 batch.append((request, request.draft_num_computed, end, wanted))
+                tables[request.request_id] = table
         if not batch:
             return
         ids: list[int] = []
@@ -78,7 +78,7 @@ class DraftModelProposer:
             ids.extend(request.all_token_ids[start:end])
             query_lens.append(end - start)
         hidden = self._forward(ids, [p for _, start, end, _ in batch for p in range(start, end)], query_lens,
-                               [end for _, _, end, _ in batch], [kv.get_block_ids(r) for r, _, _, _ in batch])
+                               [end for _, _, end, _ in batch], [tables[r.request_id] for r, _, _, _ in batch])
         last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         drafting = [(n, r, wanted) for n, (r, _, end, wanted) in enumerate(batch) if wanted]
         for request, _, end, _ in batch:
@@ -93,7 +93,7 @@ class DraftModelProposer:
             active = [(r, wanted) for r, wanted in active if wanted > step]
             positions = [r.num_tokens - 1 + step for r, _ in active]
             hidden = self._forward([r.spec_token_ids[-1] for r, _ in active], positions, [1] * len(active),
-                                   [p + 1 for p in positions], [kv.get_block_ids(r) for r, _ in active])
+                                   [p + 1 for p in positions], [tables[r.request_id] for r, _ in active])
             self._sample(self.model.compute_logits(hidden), [r for r, _ in active], q_rows)
         for request, wanted in ((r, w) for _, r, w in drafting):
             request.draft_num_computed = request.num_tokens + wanted - 1

@@ -8,10 +8,8 @@ again. It pays off on text that copies its prompt: code edits, rewrites, extract
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from kilat.config import SpeculativeConfig
-from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request
 from kilat.spec_decode.proposer import num_draft_slots
 
@@ -19,8 +17,10 @@ from kilat.spec_decode.proposer import num_draft_slots
 def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """Draft up to ``num_tokens`` tokens by prompt lookup.
 
-    For ``n`` from ``max_n`` down to ``min_n``, find the latest earlier occurrence of the last ``n`` tokens
-    and return (up to) the ``num_tokens`` tokens that followed it; the longest matching ``n`` wins.
+    Find the longest ``n`` in ``[min_n, max_n]`` for which the last ``n`` tokens occurred earlier, and return
+    (up to) the ``num_tokens`` tokens that followed the latest such occurrence. One pass over the sequence
+    finds where its last token occurred; the candidates are then extended backwards, so a step costs
+    O(sequence length) however long ``max_n`` is.
 
     Args:
         token_ids: the whole sequence so far (prompt and output).
@@ -29,18 +29,25 @@ def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) 
         num_tokens: most tokens to draft.
 
     Returns:
-        The drafted token ids (empty when no suffix occurred earlier).
+        The drafted token ids (empty when no suffix of ``min_n`` tokens occurred earlier).
     """
-    if num_tokens <= 0 or len(token_ids) <= min_n:
+    last = len(token_ids) - 1
+    if num_tokens <= 0 or last < min_n:
         return []
     tokens = np.asarray(token_ids)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        # windows of the sequence without its last token, so the suffix cannot match itself
-        matches = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[-n:]).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n
-            return tokens[start:start + num_tokens].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier occurrences of the last token
+    best = ends if min_n <= 1 else ends[:0]
+    for n in range(2, max_n + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[last - (n - 1)]]
+        if ends.size == 0:
+            break
+        if n >= min_n:
+            best = ends
+    if best.size == 0:
+        return []
+    start = int(best[-1]) + 1
+    return tokens[start:start + num_tokens].tolist()
 
 
 class NgramProposer:
@@ -51,11 +58,13 @@ class NgramProposer:
         max_model_len: longest context in tokens (drafts never pass it).
     """
 
+    num_lookahead_tokens = 0
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, requests: list[Request], kv: KVCacheManager) -> None:
+    def propose(self, requests: list[Request], block_tables: list[list[int]]) -> None:
         """Set ``spec_token_ids`` of each decoding request to its prompt-lookup drafts (maybe none)."""
         for request in requests:
             num_slots = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len)

@@ -5,9 +5,12 @@ Decoding", Algorithm 1; Chen et al. 2023) keeps the target's output distribution
 sampling distribution ``p`` and the proposer's ``q`` at each draft position, draft token ``d`` is accepted with
 probability ``min(1, p(d) / q(d))``; at the first rejection the token is drawn from
 ``norm(max(0, p - q))`` and the rest of the drafts are dropped; when every draft is accepted, one more token is
-drawn from ``p`` at the position after them. For the n-gram proposer ``q`` is a point mass on ``d``: ``d`` is
-accepted with probability ``p(d)`` and a rejection samples from ``p`` without ``d``. Greedy rows accept the
-longest prefix of drafts equal to the target's argmax, then add the target's argmax after it.
+drawn from ``p`` at the position after them. For the n-gram proposer ``q`` is a point mass on ``d``, and the test
+reduces to sampling ``t ~ p`` and accepting ``d`` when ``t == d`` (probability ``p(d)``; otherwise ``t`` is a
+sample of ``p`` without ``d``, the residual): each position is sampled exactly as without speculation, with
+the same draws from a seeded request's generator, so seeded outputs do not change with n-gram speculation.
+Greedy rows accept the longest prefix of drafts equal to the target's argmax, then add the target's argmax
+after it.
 
 Row ``j`` of a request with ``k`` drafts holds the target's logits after its drafts ``0 .. j-1``; logit bias,
 ``min_tokens`` and penalties see those drafts as already generated, so every position is processed as the
@@ -77,23 +80,26 @@ def verify(logits: torch.Tensor, requests: list[Request], bitmask: TokenBitmask 
         for i, token in picked.items():
             argmax[i] = token
     random_rows = [i for i, row in enumerate(rows) if not row.sampling_params.greedy]
-    probs: dict[int, torch.Tensor] = {}
+    dist = torch.empty(0)
     if random_rows:
         index = torch.tensor(random_rows, device=device)
         dist = sampling_probs(processed[index], [rows[i] for i in random_rows])
-        dist = dist / dist.sum(dim=-1, keepdim=True)
-        probs = {row: dist[n] for n, row in enumerate(random_rows)}
 
     results: list[list[int]] = []
     emitted_rows: list[int] = []
     row0 = 0
+    num_random = 0  # rows of dist used so far (a request's rows are all greedy or all random)
     for request in requests:
         k = len(request.spec_token_ids)
         if request.sampling_params.greedy:
             tokens = _accept_greedy(request.spec_token_ids, argmax[row0:row0 + k + 1])
+        elif request.spec_probs is None:
+            tokens = _sample_point_mass(dist[num_random:num_random + k + 1], request.spec_token_ids,
+                                        rows[row0:row0 + k + 1])
+            num_random += k + 1
         else:
-            tokens = _accept_sampled(torch.stack([probs[row0 + j] for j in range(k + 1)]), request,
-                                     rows[row0])
+            tokens = _accept_sampled(dist[num_random:num_random + k + 1], request, rows[row0])
+            num_random += k + 1
         results.append(tokens)
         emitted_rows.extend(range(row0, row0 + len(tokens)))
         row0 += k + 1
@@ -118,38 +124,52 @@ def _accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
     return argmax[:accepted + 1]
 
 
+def _race(probs: torch.Tensor, row: DraftPositionRow) -> int:
+    """A sample of ``probs`` ``[V]`` (not necessarily normalized) by the sampler's exponential race, drawn
+    from ``row``'s generator as the non-speculative sampler draws it."""
+    noise = exponential_noise(torch.Size((1, probs.shape[0])), [row], probs.device)
+    return int((probs.unsqueeze(0) / noise).argmax())
+
+
+def _sample_point_mass(p: torch.Tensor, drafts: list[int], rows: list[DraftPositionRow]) -> list[int]:
+    """Verify point-mass drafts: sample each position from ``p`` ``[k + 1, V]`` in turn and keep going while
+    the sample equals the draft; the first sample that differs (or the one after the last draft) ends it."""
+    tokens: list[int] = []
+    for j, row in enumerate(rows):
+        tokens.append(_race(p[j], row))
+        if j == len(drafts) or tokens[-1] != drafts[j]:
+            return tokens
+    return tokens
+
+
 def _accept_sampled(p: torch.Tensor, request: Request, row: DraftPositionRow) -> list[int]:
-    """Speculative sampling of one request.
+    """Speculative sampling of one request whose drafts a draft model sampled from ``request.spec_probs``.
 
     Args:
-        p: float32 ``[k + 1, V]``, the target's normalized sampling distribution at each position.
-        request: supplies ``spec_token_ids``, ``spec_probs`` (``q``, ``[k, V]``, or ``None`` for point
-            masses) and ``generator``.
+        p: float32 ``[k + 1, V]``, the target's sampling distribution at each position (min-p may leave it
+            unnormalized).
+        request: supplies ``spec_token_ids``, ``spec_probs`` (``q``, float32 ``[k, V]``, normalized) and
+            ``generator``.
         row: the request's row at position 0 (its generator draws the uniforms and the final sample).
     """
     drafts = request.spec_token_ids
+    q = request.spec_probs
+    assert q is not None
+    p = p / p.sum(dim=-1, keepdim=True)
     k = len(drafts)
     device = p.device
+    d = torch.tensor(drafts, device=device)
+    p_d = p[:k].gather(1, d.unsqueeze(1)).squeeze(1)
+    q_d = q.gather(1, d.unsqueeze(1)).squeeze(1)
+    generator = request.generator
+    uniform = torch.rand(k, generator=generator, device=generator.device if generator is not None else device)
+    accept = (uniform.to(device) * q_d < p_d).tolist()
     accepted = 0
-    q = request.spec_probs
-    if k:
-        d = torch.tensor(drafts, device=device)
-        p_d = p[:k].gather(1, d.unsqueeze(1)).squeeze(1)
-        q_d = q.gather(1, d.unsqueeze(1)).squeeze(1) if q is not None else torch.ones_like(p_d)
-        generator = request.generator
-        uniform = torch.rand(k, generator=generator, device=generator.device if generator is not None else device)
-        accept = (uniform.to(device) * q_d < p_d).tolist()
-        while accepted < k and accept[accepted]:
-            accepted += 1
-    if accepted < k:
-        if q is not None:
-            dist = (p[accepted] - q[accepted]).clamp_(min=0.0)
-        else:
-            dist = p[accepted].clone()
-            dist[drafts[accepted]] = 0.0
-        if not bool(dist.sum() > 0):  # only when p and q agree to rounding: then p itself is the residual
-            dist = p[accepted]
-    else:
-        dist = p[k]
-    noise = exponential_noise(torch.Size((1, dist.shape[0])), [row], device)
-    return drafts[:accepted] + [int((dist.unsqueeze(0) / noise).argmax())]
+    while accepted < k and accept[accepted]:
+        accepted += 1
+    if accepted == k:
+        return drafts + [_race(p[k], row)]
+    residual = (p[accepted] - q[accepted]).clamp_(min=0.0)
+    if not bool(residual.sum() > 0):  # only when p and q agree to rounding: then p itself is the residual
+        residual = p[accepted]
+    return drafts[:accepted] + [_race(residual, row)]
