@@ -89,6 +89,16 @@ def test_bench_throughput_and_latency_offline(tiny_llama_dir: str, tmp_path: Pat
     assert run.returncode == 0, run.stderr
     w1 = json.loads(out.read_text())
     assert w1["output_tokens"] == 30 and w1["output_throughput"] == pytest.approx(30 / w1["duration_s"])
+    assert w1["spec_decode"] is None
+
+    out = tmp_path / "w1-ngram.json"
+    run = bench("throughput", tiny_llama_dir, *common, "--num-prompts", "5", "--input-len", "8:24",
+                "--output-len", "6", "--result-json", str(out),
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}')
+    assert run.returncode == 0, run.stderr
+    spec = json.loads(out.read_text())["spec_decode"]
+    assert spec["num_draft_tokens"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
 
     out = tmp_path / "w2.json"
     run = bench("latency", tiny_llama_dir, *common, "--input-len", "16", "--output-len", "8", "--num-iters", "1",

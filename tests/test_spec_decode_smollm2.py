@@ -87,7 +87,7 @@ def test_stop_strings_and_logprobs_unchanged(base, ngram):
 
 def test_seeded_sampling_is_unchanged_by_ngram_speculation(base, ngram):
     # n-gram verification samples every position as the plain sampler does, from the same generator draws
-    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
     accepted = ngram.engine.stats.spec_decode.num_accepted_tokens
     alone = chat(ngram, seeded)[0].token_ids
     assert ngram.engine.stats.spec_decode.num_accepted_tokens > accepted

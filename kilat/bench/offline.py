@@ -50,6 +50,15 @@ def _llm(ns: argparse.Namespace) -> Any:
     return LLM(**vars(engine_args_from(ns)))
 
 
+def _spec_decode(llm: Any) -> dict[str, Any] | None:
+    """The run's speculative-decoding counters and rates (warm-up included), or ``None`` without speculation.
+    With speculation a decode step emits several tokens, so ``mbu`` (bytes of one step × tokens/s) overstates
+    the bandwidth used."""
+    if llm.engine.config.speculative is None:
+        return None
+    return llm.engine.stats.spec_decode.summary()
+
+
 def _write(result: dict[str, Any], path: str | None) -> None:
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))
     if path:
@@ -72,7 +81,7 @@ def cmd_throughput(ns: argparse.Namespace) -> None:
     _write({"workload": "W1", "num_prompts": ns.num_prompts, "input_len": list(ns.input_len),
             "output_len": ns.output_len, "duration_s": duration, "output_tokens": out_tokens,
             "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
-            "dtype": ns.dtype, "model": ns.model}, ns.result_json)
+            "dtype": ns.dtype, "model": ns.model, "spec_decode": _spec_decode(llm)}, ns.result_json)
 
 
 def cmd_latency(ns: argparse.Namespace) -> None:
@@ -106,7 +115,7 @@ def cmd_latency(ns: argparse.Namespace) -> None:
             "bytes_per_decode_step": step_bytes, "memory_bandwidth_gbps": bandwidth / 1e9,
             "bandwidth_source": "given" if ns.memory_bandwidth_gbps else "measured (tensor copy)",
             "mbu": step_bytes * best["decode_tokens_per_s"] / bandwidth,
-            "median_of": len(runs), "dtype": str(runner.dtype).removeprefix("torch."), "model": ns.model},
-           ns.result_json)
+            "median_of": len(runs), "dtype": str(runner.dtype).removeprefix("torch."), "model": ns.model,
+            "spec_decode": _spec_decode(llm)}, ns.result_json)
 
 

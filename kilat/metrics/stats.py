@@ -70,6 +70,13 @@ class SpecDecodeStats:
         """Emitted tokens per verification pass (1 + mean accepted drafts), 0 before the first pass."""
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def summary(self) -> dict[str, float | int | list[int]]:
+        """The counters with the acceptance rate and the mean acceptance length (for benchmark JSON)."""
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "num_emitted_tokens": self.num_emitted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+
 
 @dataclass
 class EngineStats:
