@@ -16,11 +16,11 @@ VOCAB = 8
 PROMPT = [1, 2, 3, 4]
 
 
-def _tiny_model(path: Path, seed: int, logit_scale: float) -> str:
+def _tiny_model(path: Path, seed: int, logit_scale: float, max_positions: int = 64) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          initializer_range=0.3, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
@@ -148,3 +148,16 @@ def test_draft_model_kv_survives_prefix_hits_and_preemption(tiny_llama_dir):
     assert _assert_cached_draft_kv_equals_target(small) > 10
     kv = small.engine.core.kv
     assert kv.num_free_blocks == kv.pool.num_blocks and not kv.req_blocks
+
+
+def test_draft_model_must_share_the_vocabulary_and_reach_max_model_len(small_vocab_models, tiny_llama_dir, tmp_path):
+    target, _ = small_vocab_models
+    kwargs = {"dtype": "float32", "skip_tokenizer_init": True, "kv_cache_memory": 8 << 20}
+    with pytest.raises(ValueError, match=r"speculative_config.model: the draft's vocab_size \(49152\) must equal "
+                                         r"the target's \(8\)"):
+        LLM(target, **kwargs, max_model_len=32,
+            speculative_config={"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2})
+    short = _tiny_model(tmp_path / "short", 2, 1.0, max_positions=16)
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(16\) must be >= max_model_len \(32\)"):
+        LLM(target, **kwargs, max_model_len=32,
+            speculative_config={"method": "draft_model", "model": short, "num_speculative_tokens": 2})

@@ -53,7 +53,8 @@ def test_ngram_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(smollm
 @pytest.mark.parametrize("draft", ["self", "tiny_random"])
 def test_draft_model_matches_hf(draft, tiny_llama_dir, smollm2_prompt_ids, hf_greedy_outputs):
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": None if draft == "self" else tiny_llama_dir}
-    llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory=256 << 20, speculative_config=spec)
+    # (the tiny random draft has 512 positions)
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory=256 << 20, speculative_config=spec)
     picked = [0, 4, 5, 12]
     assert run(llm, [smollm2_prompt_ids[i] for i in picked]) == [hf_greedy_outputs[i] for i in picked]
     rate = llm.engine.stats.spec_decode.acceptance_rate

@@ -101,7 +101,8 @@ class ModelRunner:
         """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.
 
         Raises:
-            ValueError: the draft's vocabulary differs from the target's.
+            ValueError: the draft's vocabulary differs from the target's, or its positions end before
+                ``max_model_len``.
         """
         spec = self.config.speculative
         if spec is None or spec.method != "draft_model":
@@ -112,6 +113,10 @@ class ModelRunner:
         if hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf_config.vocab_size}) must "
                              f"equal the target's ({self.hf_config.vocab_size})")
+        draft_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if draft_max < self.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings ({draft_max}) must "
+                             f"be >= max_model_len ({self.max_model_len})")
         return model
 
     def _num_blocks(self, bytes_per_block: int) -> int:
@@ -174,7 +179,7 @@ class ModelRunner:
             end = start + num_new
             row0 = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
-            input_ids.extend(request.spec_token_ids[:end - request.num_tokens])
+            input_ids.extend(request.spec_token_ids[:max(0, end - request.num_tokens)])
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)

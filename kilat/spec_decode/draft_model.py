@@ -10,7 +10,6 @@ token and drafts ``k`` tokens, writing their KV into the lookahead slots the sch
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,12 +24,11 @@ from kilat.spec_decode.proposer import num_draft_slots
 if TYPE_CHECKING:
     from kilat.model_executor.model_runner import ModelRunner
 
-logger = logging.getLogger("kilat")
 
 def draft_model_config(config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype) -> ModelConfig:
     """The draft's :class:`ModelConfig`: ``config.model`` in the target's resolved ``dtype``."""
     return ModelConfig(model=config.model, load_format=config.load_format, dtype=dtype_name(dtype),
-                       max_model_len=target.max_model_len, seed=target.seed + 1)
+                       seed=target.seed + 1)
 
 
 class DraftModelProposer:
