@@ -109,14 +109,19 @@ def test_stop_inside_accepted_drafts_drops_the_rest():
     assert request.status.finish_reason == "stop" and kv.num_free_blocks == 16
 
 
-def test_draft_model_lookahead_slots_are_reserved():
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=256,
-                          num_lookahead_tokens=4)
-    request = Request("r", list(range(1, 8)), SamplingParams(max_tokens=100), eos_token_id=None)
+@pytest.mark.parametrize(("block_size", "prompt_len", "max_model_len", "num_blocks"), [
+    (4, 7, 256, 3),  # 7 prompt slots + 4 lookahead slots = 11 slots
+    # the cache holds exactly max_model_len tokens: a prompt near it is still scheduled, with 1 lookahead
+    # slot (drafts stop before position 63)
+    (16, 62, 64, 4)])
+def test_draft_model_lookahead_slots_are_reserved(block_size, prompt_len, max_model_len, num_blocks):
+    kv = KVCacheManager(num_blocks=max_model_len // block_size, block_size=block_size, enable_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv,
+                          max_model_len=max_model_len, num_lookahead_tokens=4)
+    request = Request("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), eos_token_id=None)
     scheduler.add_request(request)
-    scheduler.schedule()
-    assert len(kv.get_block_ids(request)) == 3  # 7 prompt slots + 4 lookahead = 11 slots
+    assert [n for _, n in scheduler.schedule().scheduled] == [prompt_len]
+    assert len(kv.get_block_ids(request)) == num_blocks
 
 
 def _requests(n: int, drafts: list[list[int]], q: torch.Tensor | None, **params) -> list[Request]:
@@ -181,14 +186,3 @@ def test_penalties_see_earlier_drafts():
     request = Request("a", [0], SamplingParams(temperature=0, repetition_penalty=2.0), eos_token_id=None)
     request.spec_token_ids = [1]
     assert verify(logits, [request])[0][0] == [1, 2]
-
-
-def test_lookahead_stops_short_of_max_model_len():
-    # the cache holds exactly max_model_len tokens: a prompt near it must still be scheduled
-    kv = KVCacheManager(num_blocks=4, block_size=16, enable_caching=False)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=64,
-                          num_lookahead_tokens=4)
-    request = Request("r", list(range(1, 63)), SamplingParams(max_tokens=100), eos_token_id=None)
-    scheduler.add_request(request)
-    assert [n for _, n in scheduler.schedule().scheduled] == [62]
-    assert len(kv.get_block_ids(request)) == 4  # 62 tokens + 1 lookahead slot (drafts stop before 63)
