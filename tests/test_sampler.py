@@ -223,7 +223,7 @@ def test_repetition_penalty_changes_greedy_choice(sampler: Sampler) -> None:
 def test_logit_bias(sampler: Sampler) -> None:
     logits = rows(LOGITS, LOGITS)
     out = apply_logit_bias(logits, [make_request(logit_bias={3: 10.0, 0: -1.0}), make_request()])
-    assert out[0].tolist() == pytest.approx([LOGITS[0] - 1.0, LOGITS[1], LOGITS[2], LOGITS[3] + 10.0])
+    assert out[0].tolist() == pytest.approx([math.log(0.5) - 1.0, math.log(0.3), math.log(0.15), math.log(0.05) + 10.0])
     assert torch.equal(out[1], logits[1])
     forced = [make_request(logit_bias={2: 100.0}, seed=i) for i in range(50)]
     assert set(sampler(LOGITS.expand(50, -1), forced).token_ids) == {2}
