@@ -1,19 +1,36 @@
-"""Torch intra-op threads for the CPU path, adapted to what other processes leave free.
+"""Torch intra-op threads for the CPU path: every core, unless a foreign process really holds one.
 
-Measured on the 2-core development machine (docs/benchmarks.md): with 2 threads, batch-1 decode falls to
-about a quarter of its speed as soon as another process keeps one core busy, because every parallel op
-waits at a barrier for the thread that lost its core; with 1 thread it loses under 10%. So by default the
-engine uses one thread per core while the machine is quiet and drops one thread per core that other
-processes keep busy.
+Why back off at all (docs/benchmarks.md, "Thread settings under contention"): torch's intra-op threads meet
+at a barrier after every op, so one thread that loses its core stalls them all. Batch-1 decode on the 2-core
+machine: 30.6 tokens/s with 2 threads on a quiet machine, 9.6 while another process spins on one core; with
+1 thread, 21.9 in both cases.
+
+Why kilat's own processes do not count (docs/benchmarks.md, "Thread policy when served"): when served, the
+engine core's parent (the API process: HTTP, SSE, detokenization) is busy whenever the core is. The first
+governor counted it, and the client, as other load and ran one thread: W6 at concurrency 16 gave 88 output
+tokens/s against 201 with ``--num-threads 2``. Their cores are not held against kilat; the API process only
+runs when the model has produced something for it.
 """
 
 from __future__ import annotations
 
+import glob
 import math
+import multiprocessing
 import os
 import time
+from collections import deque
 
 import torch
+
+HOLD_CORES = 0.4
+"""Foreign CPU load (in cores) that counts as holding a core. A process spinning on one core gets only
+``n / (n + 1)`` of a core (½ on 2 cores) while kilat's ``n`` threads compete with it, and less while the API
+process runs too, so the threshold must lie below ½ to notice it at all; a light loopback client (0.1 core
+at W6 concurrency 16, docs/benchmarks.md) stays below it."""
+
+SUSTAIN_INTERVALS = 3
+"""Consecutive measurements a foreign load must hold a core before a thread is dropped (a spike does not)."""
 
 
 def available_cores() -> int:
@@ -43,27 +60,72 @@ def _own_seconds() -> float:
     return t.user + t.system
 
 
+def _process_seconds(pid: int) -> float | None:
+    """CPU-seconds (user + system, all threads) process ``pid`` has used (``/proc/PID/stat``), or ``None``
+    when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may contain spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (``/proc/PID/task/*/children``)."""
+    kids: list[int] = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                kids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _family_seconds(parent: int | None) -> dict[int, float]:
+    """CPU-seconds per process of kilat's own family other than this process: the process that started this
+    one with :mod:`multiprocessing` (``parent``: the API process or the offline user's process) and its other
+    children. Empty when this process was not started by :mod:`multiprocessing` (an in-process engine core,
+    whose threads :func:`_own_seconds` counts)."""
+    if parent is None:
+        return {}
+    me = os.getpid()
+    seconds = {}
+    for pid in [parent, *_children(parent)]:
+        if pid != me and (s := _process_seconds(pid)) is not None:
+            seconds[pid] = s
+    return seconds
+
+
 class ThreadGovernor:
-    """Sets ``torch.set_num_threads`` to the cores not kept busy by other processes.
+    """Sets ``torch.set_num_threads`` to every core except those a foreign process holds.
 
     Args:
         num_threads: a fixed thread count, or ``None`` to adapt between 1 and :func:`available_cores`.
         interval: seconds between measurements.
 
-    Every ``interval`` seconds :meth:`maybe_adjust` measures the cores other processes used since the last
-    measurement, ``others = Δ(system busy CPU-s) − Δ(own CPU-s)`` over ``Δt``, and uses
-    ``max(1, cores − ceil(others − 0.5))`` threads.
+    Every ``interval`` seconds :meth:`maybe_adjust` measures the foreign load on this process's cores since
+    the last measurement, ``foreign = (Δ busy CPU-s of the cores − Δ own CPU-s − Δ family CPU-s) / Δt``, in
+    cores, where the family is kilat's API process and its other children (:func:`_family_seconds`). A
+    measurement finds ``held = floor(foreign + 1 − HOLD_CORES)`` cores held; the governor runs
+    ``max(1, cores − held)`` threads, with ``held`` the least of the last :data:`SUSTAIN_INTERVALS`
+    measurements: a thread is dropped only after a foreign load has held its core for that many intervals,
+    and comes back after the first measurement that finds the core free.
     """
 
     def __init__(self, num_threads: int | None, interval: float = 1.0):
         self.max_threads = num_threads or available_cores()
         self._cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        parent = multiprocessing.parent_process()
+        self._parent = None if parent is None else parent.pid
         busy = _busy_seconds(self._cores)
         self.adaptive = num_threads is None and busy is not None
         self.interval = interval
         self.num_threads = self.max_threads
         torch.set_num_threads(self.num_threads)
-        self._last = (time.monotonic(), busy, _own_seconds())
+        self._held: deque[int] = deque(maxlen=SUSTAIN_INTERVALS)
+        self._last = (time.monotonic(), busy, _own_seconds(), _family_seconds(self._parent))
 
     def maybe_adjust(self) -> int:
         """Re-measure if ``interval`` has passed; return the thread count in use."""
@@ -72,11 +134,14 @@ class ThreadGovernor:
         now = time.monotonic()
         if now - self._last[0] < self.interval:
             return self.num_threads
-        busy, own = _busy_seconds(self._cores), _own_seconds()
-        last_t, last_busy, last_own = self._last
-        self._last = (now, busy, own)
-        others = max(0.0, ((busy - last_busy) - (own - last_own)) / (now - last_t))
-        wanted = max(1, self.max_threads - math.ceil(others - 0.5))
+        busy, own, family = _busy_seconds(self._cores), _own_seconds(), _family_seconds(self._parent)
+        last_t, last_busy, last_own, last_family = self._last
+        self._last = (now, busy, own, family)
+        family_delta = sum(max(0.0, s - last_family.get(pid, 0.0)) for pid, s in family.items())
+        foreign = max(0.0, ((busy - last_busy) - (own - last_own) - family_delta) / (now - last_t))
+        self._held.append(math.floor(foreign + 1 - HOLD_CORES))
+        held = min(self._held) if len(self._held) == SUSTAIN_INTERVALS else 0
+        wanted = max(1, self.max_threads - held)
         if wanted != self.num_threads:
             self.num_threads = wanted
             torch.set_num_threads(wanted)
