@@ -46,7 +46,7 @@ class Server:
             try:
                 if requests.get(self.url + "/health", timeout=1).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet; or too busy to answer in 1 s
                 pass
             time.sleep(0.2)
         self.stop()
