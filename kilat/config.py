@@ -227,28 +227,37 @@ class SpeculativeConfig:
 class EngineArgs:
     """Flat engine arguments, as accepted by ``LLM(...)`` and the CLI (vLLM's names).
 
-    ``create_engine_config`` splits them into the validated per-component configs.
+    ``create_engine_config`` splits them into the validated per-component configs. Each field that a config
+    class owns takes its default from that class and is documented there (``kilat serve --help`` shows those
+    docs); the fields below belong to the engine itself.
+
+    Attributes:
+        device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.
+        num_threads: torch threads on the CPU; ``None`` adapts: one thread per core that other processes leave
+            free, re-measured every second (docs/benchmarks.md says why).
+        speculative_config: speculative decoding, as a dict of :class:`SpeculativeConfig` fields or its JSON
+            text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; ``None`` turns it off.
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    model: str | None = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str = ModelConfig.dtype
+    load_format: str = ModelConfig.load_format
+    max_model_len: int | None = ModelConfig.max_model_len
+    seed: int = ModelConfig.seed
+    skip_tokenizer_init: bool = ModelConfig.skip_tokenizer_init
+    block_size: int = CacheConfig.block_size
+    kv_cache_memory: int | None = field(default=CacheConfig.kv_cache_memory, metadata={"size": True})
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     device: str = "auto"
     num_threads: int | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    attention_backend: str = ExecutionConfig.attention_backend
+    enforce_eager: bool = ExecutionConfig.enforce_eager
     speculative_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

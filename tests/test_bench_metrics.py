@@ -216,3 +216,101 @@ def test_client_parses_a_stream() -> None:
     assert r.success and r.text == "Hello world"
     assert len(r.chunk_times) == 3 and (r.prompt_tokens, r.output_tokens) == (5, 4)
     assert r.send_time < r.chunk_times[0] <= r.chunk_times[-1] <= r.end_time
+
+
+def _run(concurrency: int, slos: dict[str, float] | None, seed: int = 0) -> dict:
+    """A summarized synthetic run with the fields ``kilat bench serve`` adds."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for _ in range(20):
+        ttft = float(rng.uniform(0.05, 0.8))
+        results.append(result([ttft + 0.04 * i for i in range(16)], tokens=16))
+    run = summarize(results, duration=4.0, slos=slos)
+    run.update(model="SmolLM2-135M-Instruct", endpoint="chat", dataset="random", num_prompts=20, request_rate=None,
+               max_concurrency=concurrency, prefix_cache_hit_rate=0.125, date="2026-12-02 02:30 UTC",
+               kilat_commit="abc1234",
+               per_request={"ttft_s": [r.ttft for r in results], "tpot_s": [r.tpot for r in results],
+                            "e2el_s": [r.e2el for r in results]})
+    return run
+
+
+def test_run_plot_has_title_details_and_slo_lines() -> None:
+    from kilat.bench.plot import make_figure
+
+    fig = make_figure([_run(4, parse_goodput(["ttft:500", "e2el:1500"]))])
+    heading = fig._suptitle.get_text()
+    for part in ("SmolLM2-135M-Instruct", "random dataset", "20 requests", "chat endpoint", "all requests at once",
+                 "max concurrency 4", "2026-12-02 02:30 UTC", "commit abc1234"):
+        assert part in heading
+    (text,) = [t for t in fig.texts if t is not fig._suptitle]
+    body = text.get_text()
+    assert "20/20 completed" in body and "prefix-cache hits 12.5%" in body
+    assert "goodput" in body and "TTFT ≤ 500 ms, E2EL ≤ 1500 ms" in body
+    ttft_ax, tpot_ax, e2el_ax = fig.axes
+    slo_lines = {ax.get_title(): [(line.get_label(), list(line.get_xdata())) for line in ax.get_lines()
+                                  if "SLO" in line.get_label()] for ax in fig.axes}
+    assert slo_lines == {"TTFT CDF": [("TTFT SLO 500 ms", [500.0, 500.0])], "TPOT CDF": [],
+                         "E2E latency CDF": [("E2E latency SLO 1500 ms", [1500.0, 1500.0])]}
+    assert "TTFT SLO 500 ms" in [t.get_text() for t in ttft_ax.get_legend().get_texts()]
+
+
+def test_sweep_plot_names_each_level() -> None:
+    from kilat.bench.plot import make_figure
+
+    fig = make_figure([_run(1, None), _run(4, None, seed=1)])
+    assert "concurrency sweep 1, 4" in fig._suptitle.get_text()
+    (text,) = [t for t in fig.texts if t is not fig._suptitle]
+    assert [line.split(":")[0] for line in text.get_text().splitlines()] == ["concurrency 1", "concurrency 4"]
+    assert "goodput" not in text.get_text()
+    assert not [line for ax in fig.axes for line in ax.get_lines() if "SLO" in line.get_label()]
+    assert [ax.get_title() for ax in fig.axes[3:]] == ["output throughput", "latency", "prefix-cache hit rate"]
+
+
+class _Tokenizer:
+    """Enough of a tokenizer for the random and shared-prefix datasets."""
+
+    def __len__(self) -> int:
+        return 49152
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("dataset", ["random", "shared-prefix", "text", "jsonl"])
+def test_sweep_levels_get_their_own_prompts(dataset, tmp_path, monkeypatch, capsys) -> None:
+    """Each level of ``--sweep-concurrency`` draws its prompts with its own seed, so no prompt (and for
+    shared-prefix no prefix) of one level reaches the server's prefix cache before another level; a jsonl
+    file's prompts repeat, and the output says so."""
+    from kilat.bench import cli as bench_cli
+    from kilat.entrypoints.cli import build_parser
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(6)))
+    sent: list[list] = []
+
+    def fake_benchmark(requests, config, *args):
+        sent.append([r.prompt for r in requests])
+        return {"failed": 0, "max_concurrency": config.max_concurrency}
+
+    monkeypatch.setattr("kilat.engine.tokenizer.get_tokenizer", lambda name: _Tokenizer())
+    monkeypatch.setattr(bench_cli, "benchmark", fake_benchmark)
+    monkeypatch.setattr(bench_cli, "format_table", lambda run: "")
+    out = tmp_path / "sweep.json"
+    ns = build_parser().parse_args(["bench", "serve", "--model", "m", "--dataset-name", dataset, "--dataset-path",
+                                    str(path), "--num-prompts", "6", "--shared-prefix-groups", "2",
+                                    "--shared-prefix-per-group", "3", "--sweep-concurrency", "1,2,4",
+                                    "--result-json", str(out)])
+    ns.func(ns)
+    runs = json.loads(out.read_text())["sweep"]
+    assert len(sent) == 3 and all(len(prompts) == 6 for prompts in sent)
+    levels = [{json.dumps(p) for p in prompts} for prompts in sent]
+    if dataset == "jsonl":
+        assert levels[0] == levels[1] == levels[2]
+        assert [r["prompts_repeat_earlier_level"] for r in runs] == [False, True, True]
+        assert "every level sends the same jsonl prompts" in capsys.readouterr().err
+        return
+    assert not (levels[0] & levels[1] or levels[0] & levels[2] or levels[1] & levels[2])
+    assert [r["dataset_seed"] for r in runs] == [0, 1, 2] and not any(r["prompts_repeat_earlier_level"] for r in runs)
+    if dataset == "shared-prefix":  # the groups share their prefix within a level, never across levels
+        prefixes = [{tuple(p[:512]) for p in prompts} for prompts in sent]
+        assert [len(p) for p in prefixes] == [2, 2, 2] and not (prefixes[0] & prefixes[1] or prefixes[1] & prefixes[2])

@@ -79,6 +79,18 @@ def test_bench_serve_chat_sweep(server: Server, tmp_path: Path) -> None:
     assert all(r["completed"] == 4 and r["total_output_tokens"] == 24 for r in runs)
 
 
+def test_bench_serve_sweep_levels_miss_the_prefix_cache(server: Server, tmp_path: Path) -> None:
+    """Random prompts of 32-48 tokens (2+ full blocks), each level its own: no level finds another's prompt blocks
+    in the prefix cache (with the same prompts at every level, the second level hit on every full block)."""
+    out = tmp_path / "sweep.json"
+    run = bench("serve", "--base-url", server.url, "--num-prompts", "3", "--random-input-len", "32:48",
+                "--random-output-len", "2", "--seed", "11", "--sweep-concurrency", "1,2", "--result-json", str(out))
+    assert run.returncode == 0, run.stderr
+    runs = json.loads(out.read_text())["sweep"]
+    assert [(r["completed"], r["dataset_seed"], r["prefix_cache_hit_rate"]) for r in runs] == [(3, 11, 0.0),
+                                                                                              (3, 12, 0.0)]
+
+
 def test_bench_throughput_and_latency_offline(tiny_llama_dir: str, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 from typing import Any
 
+from kilat.bench.client import BenchRequest
 from kilat.bench.datasets import DATASETS, jsonl_requests, random_requests, shared_prefix_requests, text_requests
 from kilat.bench.metrics import parse_goodput
 from kilat.bench.serve import LoadConfig, benchmark, format_table
@@ -22,36 +26,46 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kilat bench serve``."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset-name", choices=DATASETS, default="random")
-    parser.add_argument("--dataset-path", default=None, help="JSONL of {'prompt'} or {'messages'} per line")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--random-input-len", type=parse_range, default=(32, 256), help="tokens, N or MIN:MAX")
-    parser.add_argument("--random-output-len", type=parse_range, default=(128, 128), help="tokens, N or MIN:MAX")
-    parser.add_argument("--shared-prefix-groups", type=int, default=8)
-    parser.add_argument("--shared-prefix-per-group", type=int, default=8)
-    parser.add_argument("--shared-prefix-len", type=int, default=512)
-    parser.add_argument("--shared-suffix-len", type=int, default=32)
-    parser.add_argument("--text-input-lines", type=int, default=12)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
+    parser.add_argument("--model", default=None, help="the request's model (default: the first of GET /v1/models)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--dataset-name", choices=DATASETS, default="random",
+                        help="where prompts come from (docs/workloads.md)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="the jsonl dataset: one {'prompt': ...} or {'messages': [...]} per line")
+    parser.add_argument("--num-prompts", type=int, default=64,
+                        help="requests per run (random, text; the most read from jsonl)")
+    parser.add_argument("--random-input-len", type=parse_range, default="32:256",
+                        help="random prompt tokens, N or MIN:MAX (uniform)")
+    parser.add_argument("--random-output-len", type=parse_range, default="128",
+                        help="random max_tokens, N or MIN:MAX (uniform)")
+    parser.add_argument("--shared-prefix-groups", type=int, default=8, help="shared-prefix: number of groups")
+    parser.add_argument("--shared-prefix-per-group", type=int, default=8, help="shared-prefix: requests per group")
+    parser.add_argument("--shared-prefix-len", type=int, default=512, help="shared-prefix: tokens of each prefix")
+    parser.add_argument("--shared-suffix-len", type=int, default=32, help="shared-prefix: own tokens per request")
+    parser.add_argument("--text-input-lines", type=int, default=12, help="text: poem lines per prompt")
     parser.add_argument("--output-len", type=int, default=128,
                         help="max_tokens for shared-prefix, text and jsonl prompts")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s; inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--sweep-concurrency", default=None, help="comma-separated, e.g. 1,2,4,8,16")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight (default: None, no limit)")
+    parser.add_argument("--sweep-concurrency", default=None,
+                        help="one run per max concurrency, comma-separated, e.g. 1,2,4,8,16; each level gets its "
+                             "own prompts (dataset seed --seed + level index) except from jsonl")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask the server to generate every max_tokens token")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--cost-per-hour", type=float, default=None, help="hardware price, USD per hour")
     parser.add_argument("--tokenizer", default=None,
                         help="for random prompts on the chat endpoint and for counting tokens when the server "
                              "sends no usage (default: the embedded model's)")
-    parser.add_argument("--result-json", default=None)
-    parser.add_argument("--plot", default=None, help="PNG path")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--result-json", default=None, help="write every statistic as JSON to this path")
+    parser.add_argument("--plot", default=None, help="write a PNG of the latency CDFs (and the sweep) to this path")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:
@@ -61,22 +75,41 @@ def _served_model(base_url: str, api_key: str | None) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def _requests(ns: argparse.Namespace, tokenizer: Any) -> list[Any]:
+SEEDED_DATASETS = ("random", "shared-prefix", "text")
+"""Datasets drawn from a seed: each level of a sweep gets its own prompts. A jsonl file's prompts repeat."""
+
+
+def dataset_requests(ns: argparse.Namespace, tokenizer: Any, seed: int) -> list[BenchRequest]:
+    """The requests of one run of ``kilat bench serve``, drawn with ``seed`` (ignored by jsonl).
+
+    Raises:
+        ValueError: jsonl without ``--dataset-path``, or a malformed file.
+    """
     vocab = len(tokenizer)
     if ns.dataset_name == "random":
-        reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, ns.seed)
+        reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, seed)
         if ns.endpoint == "chat":
             for r in reqs:
                 r.prompt = tokenizer.decode(r.prompt)
         return reqs
     if ns.dataset_name == "shared-prefix":
         return shared_prefix_requests(ns.shared_prefix_groups, ns.shared_prefix_per_group, ns.shared_prefix_len,
-                                      ns.shared_suffix_len, ns.output_len, vocab, ns.seed)
+                                      ns.shared_suffix_len, ns.output_len, vocab, seed)
     if ns.dataset_name == "text":
-        return text_requests(ns.num_prompts, ns.text_input_lines, ns.output_len, ns.seed)
+        return text_requests(ns.num_prompts, ns.text_input_lines, ns.output_len, seed)
     if not ns.dataset_path:
         raise ValueError("--dataset-path is required with --dataset-name jsonl")
     return jsonl_requests(ns.dataset_path, ns.output_len, ns.num_prompts)
+
+
+def _git_commit() -> str | None:
+    """The short commit of the kilat source tree this runs from, or ``None`` (an installed wheel, no git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
@@ -85,15 +118,23 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
     tokenizer = get_tokenizer(ns.tokenizer)
     slos = parse_goodput(ns.goodput)
-    requests = _requests(ns, tokenizer)
     model = ns.model or _served_model(ns.base_url, ns.api_key)
     sweep = [int(c) for c in ns.sweep_concurrency.split(",")] if ns.sweep_concurrency else [ns.max_concurrency]
+    repeats = len(sweep) > 1 and ns.dataset_name not in SEEDED_DATASETS
+    if repeats:
+        print(f"note: every level sends the same {ns.dataset_name} prompts, so later levels find them in the "
+              "server's prefix cache: their TTFT is not comparable with the first level's", file=sys.stderr)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    commit = _git_commit()
     runs = []
-    for concurrency in sweep:
+    for level, concurrency in enumerate(sweep):
+        seed = ns.seed + level
+        requests = dataset_requests(ns, tokenizer, seed)
         config = LoadConfig(ns.base_url, model, ns.endpoint, ns.request_rate, concurrency, ns.ignore_eos, ns.seed,
                             ns.api_key, progress=not ns.no_progress)
         run = benchmark(requests, config, slos, ns.cost_per_hour, tokenizer)
-        run.update(dataset=ns.dataset_name, num_prompts=len(requests))
+        run.update(dataset=ns.dataset_name, num_prompts=len(requests), dataset_seed=None if repeats else seed,
+                   prompts_repeat_earlier_level=repeats and level > 0, date=date, kilat_commit=commit)
         print(f"\n== {ns.dataset_name}, {len(requests)} requests, concurrency {concurrency or 'unlimited'}, "
               f"rate {ns.request_rate} req/s ==")
         print(format_table(run))
@@ -112,15 +153,19 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 def add_bench_parser(sub: Any) -> None:
     """Register ``kilat bench`` and its subcommands."""
     from kilat.bench.offline import add_latency_args, add_throughput_args, cmd_latency, cmd_throughput
+    from kilat.entrypoints.cli import HelpFormatter
 
-    bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency)")
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
-    serve = kinds.add_parser("serve", help="measure any OpenAI-compatible server")
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency)",
+                           formatter_class=HelpFormatter)
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND", help="what to measure")
+    serve = kinds.add_parser("serve", help="measure any OpenAI-compatible server", formatter_class=HelpFormatter)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
-    throughput = kinds.add_parser("throughput", help="offline throughput of the engine (W1)")
+    throughput = kinds.add_parser("throughput", help="offline throughput of the engine (W1)",
+                                  formatter_class=HelpFormatter)
     add_throughput_args(throughput)
     throughput.set_defaults(func=cmd_throughput)
-    latency = kinds.add_parser("latency", help="offline batch-1 decode latency and MBU (W2)")
+    latency = kinds.add_parser("latency", help="offline batch-1 decode latency and MBU (W2)",
+                               formatter_class=HelpFormatter)
     add_latency_args(latency)
     latency.set_defaults(func=cmd_latency)

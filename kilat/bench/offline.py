@@ -27,21 +27,22 @@ from kilat.sampling_params import SamplingParams
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kilat bench throughput`` (engine flags included)."""
     add_engine_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=parse_range, default=(32, 256), help="tokens, N or MIN:MAX")
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests, all submitted at once")
+    parser.add_argument("--input-len", type=parse_range, default="32:256",
+                        help="prompt tokens, N or MIN:MAX (uniform)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--result-json", default=None, help="also write the result as JSON to this path")
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kilat bench latency`` (engine flags included)."""
     add_engine_args(parser)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs after one warm-up; the median is kept")
     parser.add_argument("--memory-bandwidth-gbps", type=float, default=None,
                         help="peak memory bandwidth in GB/s (default: measured with a tensor copy)")
-    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--result-json", default=None, help="also write the result as JSON to this path")
 
 
 def _llm(ns: argparse.Namespace) -> Any:
