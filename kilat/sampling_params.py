@@ -8,10 +8,17 @@ request enters the engine (:mod:`kilat.engine.input_processor`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+MAX_TEMPERATURE = 100.0
+"""Highest ``temperature``: vLLM sets no bound, but beyond this every vocabulary's distribution is as good as
+uniform, and an infinite or huge temperature turns masked (``-inf``) logits into NaN."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Allowed ``repetition_penalty`` (vLLM asks for > 0): its logit scaling stays finite in float32."""
 
 
 @dataclass(frozen=True)
@@ -79,14 +86,16 @@ class SamplingParams:
 
     Attributes:
         n: completions per prompt; they share the prompt's KV blocks.
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature in [0, :data:`MAX_TEMPERATURE`]; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; 0 or -1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables (at most the vocabulary size, checked by the
+            input processor).
         min_p: drop tokens whose probability is below ``min_p`` times the top probability; 0 disables.
         seed: per-request random seed; the samples then do not depend on the rest of the batch.
         presence_penalty: OpenAI presence penalty in [-2, 2], on tokens already generated.
         frequency_penalty: OpenAI frequency penalty in [-2, 2], scaled by generated-token counts.
-        repetition_penalty: CTRL-style multiplicative penalty (> 0, 1 disables) on prompt and output tokens.
+        repetition_penalty: CTRL-style multiplicative penalty in [0.01, 100] (1 disables) on prompt and output
+            tokens.
         logit_bias: token id -> bias in [-100, 100], added to the logits.
         stop: strings that end generation; cut from the text unless ``include_stop_str_in_output``.
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in the text).
@@ -98,7 +107,8 @@ class SamplingParams:
         prompt_logprobs: the same for each prompt token after the first.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the text.
-        spaces_between_special_tokens: put spaces around special tokens in the text.
+        spaces_between_special_tokens: put spaces around added tokens in the text, for slow tokenizers only
+            (fast tokenizers' decode ignores it, as in Hugging Face and vLLM).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (xgrammar).
     """
 
@@ -139,8 +149,18 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Every field's type and range; numbers must be finite (``inf``/``nan`` never pass).
+
+        Raises:
+            ValueError: ``"<field> must be <allowed>, got <value>"``.
+        """
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, "a finite number")
 
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
@@ -155,8 +175,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of integers")
         if self.n < 1:
             raise bad("n", ">= 1")
-        if not self.temperature >= 0:
-            raise bad("temperature", ">= 0")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"in [0, {MAX_TEMPERATURE:g}]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
         if self.top_k < 0:
@@ -167,8 +187,9 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "> 0")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"in [{low:g}, {high:g}]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", ">= 1")
         if self.min_tokens < 0:

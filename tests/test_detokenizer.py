@@ -103,15 +103,28 @@ def test_skip_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
     assert detok.output_text == "assistant\nHi" == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("spaces, expected", [(True, " <|im_start|> assistant\nHi <|im_end|>"),
-                                              (False, "<|im_start|>assistant\nHi<|im_end|>")])
-def test_spaces_between_special_tokens(tokenizer: PreTrainedTokenizerBase, spaces: bool,
-                                       expected: str) -> None:
-    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
-    detok = detokenizer(tokenizer, prompt="Q:", skip_special_tokens=False,
-                        spaces_between_special_tokens=spaces)
-    stream(detok, ids)
-    assert detok.output_text == expected
+@pytest.mark.parametrize("spaces", [True, False])
+@pytest.mark.parametrize("text", ["<|im_start|>assistant\nHi<|im_end|>", "Hello there.<|im_end|>",
+                                  "a<|im_end|><|im_start|>b<|endoftext|> c"])
+def test_special_tokens_kept_as_hf_decode(tokenizer: PreTrainedTokenizerBase, spaces: bool, text: str) -> None:
+    """A fast tokenizer's decode puts no space around special tokens (whatever spaces_between_special_tokens
+    says), so neither does the incremental text: no ``" <|im_end|>"`` the model never produced."""
+    assert tokenizer.is_fast
+    ids = tokenizer.encode(text)
+    for chunk in (1, 3):
+        detok = detokenizer(tokenizer, prompt="Q:", skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        stream(detok, ids, chunk)
+        assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_eos_stop_token_included_without_space(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The reported case: EOS in stop_token_ids, include_stop_str_in_output, special tokens kept."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("Hello! How can I help?") + [eos]
+    detok = detokenizer(tokenizer, skip_special_tokens=False, include_stop_str_in_output=True,
+                        stop_token_ids=[eos])
+    stream(detok, ids, stop_terminated=True)
+    assert detok.output_text == "Hello! How can I help?<|im_end|>" == tokenizer.decode(ids, skip_special_tokens=False)
 
 
 TEXT = "Hello world, this is a test of stop strings. END here"

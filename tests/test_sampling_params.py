@@ -46,7 +46,9 @@ def test_uses_penalties(kwargs: dict[str, Any]) -> None:
 @pytest.mark.parametrize("kwargs", [
     {"n": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 1, "min_p": 1.0},
     {"top_p": 1e-9, "min_p": 0.0, "presence_penalty": -2.0, "frequency_penalty": 2.0},
-    {"repetition_penalty": 1e-3, "max_tokens": None, "min_tokens": 100},
+    {"repetition_penalty": 0.01, "max_tokens": None, "min_tokens": 100},
+    {"temperature": 100.0, "repetition_penalty": 100.0, "seed": 2**63 - 1},
+    {"temperature": 0, "top_k": 49152, "seed": -(2**63)},
     {"max_tokens": 1, "min_tokens": 1, "logprobs": 0, "prompt_logprobs": 0},
     {"stop": ["a", "bc"], "stop_token_ids": [0], "logit_bias": {0: -100, 1: 100}},
 ])
@@ -69,6 +71,23 @@ def test_valid_edges(kwargs: dict[str, Any]) -> None:
     ("frequency_penalty", {"frequency_penalty": -2.5}),
     ("repetition_penalty", {"repetition_penalty": 0}),
     ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("temperature", {"temperature": float("inf")}),
+    ("temperature", {"temperature": 1e308}),
+    ("temperature", {"temperature": 100.5}),
+    ("temperature", {"temperature": float("nan")}),
+    ("temperature", {"temperature": "0.5"}),
+    ("temperature", {"temperature": True}),
+    ("top_p", {"top_p": float("nan")}),
+    ("min_p", {"min_p": float("nan")}),
+    ("presence_penalty", {"presence_penalty": float("-inf")}),
+    ("frequency_penalty", {"frequency_penalty": float("nan")}),
+    ("repetition_penalty", {"repetition_penalty": float("inf")}),
+    ("repetition_penalty", {"repetition_penalty": 1e-3}),
+    ("repetition_penalty", {"repetition_penalty": 100.5}),
+    ("top_k", {"top_k": 1e9}),
+    ("seed", {"seed": 2**63}),
+    ("seed", {"seed": 1.0}),
+    ("max_tokens", {"max_tokens": 16.0}),
     ("max_tokens", {"max_tokens": 0}),
     ("min_tokens", {"min_tokens": -1}),
     ("min_tokens", {"min_tokens": 17, "max_tokens": 16}),
@@ -79,6 +98,8 @@ def test_valid_edges(kwargs: dict[str, Any]) -> None:
     ("stop_token_ids", {"stop_token_ids": [-1]}),
     ("logit_bias", {"logit_bias": {1: 100.5}}),
     ("logit_bias", {"logit_bias": {1: -101}}),
+    ("logit_bias", {"logit_bias": {1: float("inf")}}),
+    ("logit_bias", {"logit_bias": {1: float("nan")}}),
 ])
 def test_invalid_raises_naming_field(field: str, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=rf"^{field} must be"):

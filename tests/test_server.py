@@ -41,7 +41,9 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def post(server: Server, path: str, body: Any, headers: dict[str, str] | None = None) -> requests.Response:
-    return requests.post(server.url + path, json=body, headers=AUTH if headers is None else headers, timeout=60)
+    """POST ``body`` as JSON; Python's ``json`` writes ``inf``/``nan`` as ``Infinity``/``NaN`` (not JSON)."""
+    return requests.post(server.url + path, data=json.dumps(body).encode(), timeout=60,
+                         headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)})
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -411,6 +413,34 @@ LONG_PROMPT = "hello " * 2100
      "structured_outputs", "exactly one"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"jsonschema": {}}}, "structured_outputs",
      "unknown keys"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
+        "messages": "x"}}, "chat_template_kwargs", "must not set ['messages']"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {
+        "chat_template": "{{ 1 }}", "tokenize": True}}, "chat_template_kwargs", "['chat_template', 'tokenize']"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+     "chat_template_kwargs", "must not set ['tools']"),
+    # Python's json (and so requests) writes inf/nan as Infinity/NaN, which are not JSON numbers.
+    ("/v1/completions", {"prompt": "x", "temperature": float("inf")}, "temperature", "finite"),
+    ("/v1/completions", {"prompt": "x", "temperature": float("nan")}, "temperature", "finite"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e308}, "temperature", "in [0, 100]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": float("inf")},
+     "repetition_penalty", "finite"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e6}, "repetition_penalty", "in [0.01, 100]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": float("-inf")}}, "logit_bias", "finite"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"type": "number", "maximum": float("inf")}}},
+     "structured_outputs", "structured_outputs.json.maximum: inf is not a finite number"),
+    ("/v1/completions", {"prompt": "x", "top_k": 1e9}, "top_k", "valid integer"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10 ** 9}, "top_k", "vocabulary size (49152)"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8.0}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 64}, "seed", "64-bit"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 3000}, "min_tokens",
+     "must be <= max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 0},
+     "parallel_tool_calls", "valid boolean"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, "stream", "valid boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs",
+     "valid boolean"),
 ])
 def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
                             needle: str) -> None:
@@ -423,6 +453,75 @@ def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], par
     if param is not None:
         assert error["param"] == param
     assert_healthy(server)
+
+
+def test_wrong_method_is_405_with_allow(server: Server) -> None:
+    r = requests.get(server.url + "/v1/completions", headers=AUTH, timeout=10)
+    assert r.status_code == 405
+    assert r.headers["Allow"] == "POST"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = requests.post(server.url + "/health", timeout=10)
+    assert r.status_code == 405 and set(r.headers["Allow"].split(", ")) == {"GET", "HEAD"}
+
+
+def test_openapi_declares_the_error_responses(server: Server) -> None:
+    schema = requests.get(server.url + "/openapi.json", timeout=10).json()
+    assert "422" not in json.dumps(schema["paths"])
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    error = schema["components"]["schemas"]["ErrorInfo"]
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/tokenize", "/detokenize"):
+        assert set(schema["paths"][path]["post"]["responses"]) == {"200", "400", "401", "404", "413"}
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_json_body_without_json_content_type(server: Server, content_type: str | None) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    r = requests.post(server.url + "/v1/completions", data=body.encode(), headers=headers, timeout=60)
+    assert r.request.headers.get("Content-Type") == content_type
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_renders_like_chat(server: Server) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    r = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                   "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    text = post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello")
+    closed = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["tokens"][:r.json()["count"]] == r.json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": closed["tokens"]}).json()["prompt"] == text + "<|im_end|>\n"
+    both = post(server, "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
+    # With tools, /tokenize counts the prompt that the chat endpoint sends to the model.
+    question = [{"role": "user", "content": "Weather in Rome?"}]
+    count = post(server, "/tokenize", {"messages": question, "tools": TOOLS}).json()["count"]
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": question, "tools": TOOLS,
+                                                 "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == count
+    assert count > post(server, "/tokenize", {"messages": question}).json()["count"] + 20
+
+
+def test_special_tokens_in_text_as_generated(client: openai.OpenAI) -> None:
+    """EOS kept in the text (skip_special_tokens false, include_stop_str_in_output, EOS a stop token id):
+    the text equals the generated tokens' bytes, with no space inserted before <|im_end|>."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=64,
+        logprobs=True, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True,
+                                   "stop_token_ids": [2]})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    generated = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode()
+    assert choice.message.content == generated
+    assert generated.endswith("<|im_end|>") and not generated.endswith(" <|im_end|>")
 
 
 def test_prompt_too_long_message_gives_both_numbers(server: Server) -> None:
@@ -453,6 +552,7 @@ def test_unknown_model_is_404(server: Server) -> None:
 def test_api_key_is_401(server: Server, headers: dict[str, str]) -> None:
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}, headers=headers)
     assert r.status_code == 401
+    assert r.headers["WWW-Authenticate"] == "Bearer"  # RFC 7235: a 401 names its scheme
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert requests.get(server.url + "/v1/models", timeout=10).status_code == 401
     assert requests.get(server.url + "/health", timeout=10).status_code == 200

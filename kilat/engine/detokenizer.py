@@ -44,7 +44,10 @@ class IncrementalDetokenizer:
             self._skipped_ids = set(tokenizer.all_special_ids) | {
                 i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         self._added_tokens = set(tokenizer.get_added_vocab())
-        self._separator = " " if params.spaces_between_special_tokens else ""
+        # Fast tokenizers' decode joins added tokens to their neighbours without spaces whatever
+        # spaces_between_special_tokens says (Hugging Face, and vLLM's fast path); slow ones put spaces.
+        spaced = params.spaces_between_special_tokens and not getattr(tokenizer, "is_fast", False)
+        self._separator = " " if spaced else ""
         self._tokens = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT + 2):])
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT, 0)
@@ -109,8 +112,8 @@ class IncrementalDetokenizer:
         return [token for token in tokens if token is not None]
 
     def _to_text(self, tokens: list[str]) -> str:
-        """Text of token strings; added tokens are kept verbatim and joined to their neighbours with a space
-        when ``spaces_between_special_tokens`` (the Hugging Face slow-tokenizer behaviour)."""
+        """Text of token strings, as the tokenizer's ``decode`` gives it: added tokens are kept verbatim and,
+        for a slow tokenizer with ``spaces_between_special_tokens``, joined to their neighbours with a space."""
         pieces: list[str] = []
         run: list[str] = []
         for token in tokens:

@@ -6,6 +6,7 @@ engine, so a bad request never disturbs the others.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from dataclasses import replace
@@ -92,7 +93,8 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
-                too many logprobs, stop strings without a tokenizer, an invalid structured-outputs spec).
+                too many logprobs, top_k above the vocabulary size, min_tokens above max_tokens, stop strings
+                without a tokenizer, an invalid structured-outputs spec).
         """
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
@@ -119,10 +121,17 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size ({self.vocab_size}), or -1/0 to disable it; "
+                             f"got {params.top_k}")
+        max_tokens = params.max_tokens or room
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens}, what fits in "
+                             f"max_model_len ({self.max_model_len}) after the prompt)")
         stop_ids = params.stop_token_ids
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = sorted(set(stop_ids) | self.extra_eos_token_ids)
-        return replace(params, max_tokens=params.max_tokens or room, stop_token_ids=stop_ids)
+        return replace(params, max_tokens=max_tokens, stop_token_ids=stop_ids)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 add_special_tokens: bool = True,
@@ -140,13 +149,17 @@ class InputProcessor:
                                       now, parent_id=request_id, index=i) for i in range(params.n)]
         return text, ids, params, requests
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template: str | None = None,
-                            **kwargs: Any) -> str:
-        """Render a conversation with the model's chat template (transformers' Jinja renderer).
+    def chat_template_call(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                           continue_final_message: bool = False, chat_template: str | None = None,
+                           tools: list[dict[str, Any]] | None = None,
+                           chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Check a conversation and return the keyword arguments of ``tokenizer.apply_chat_template`` that
+        render it as text (``chat_template_kwargs`` become template variables).
 
         Raises:
-            ValueError: the messages are malformed or the template fails.
+            ValueError: no tokenizer, malformed messages, both ``add_generation_prompt`` and
+                ``continue_final_message``, or ``chat_template_kwargs`` that would override one of the
+                renderer's own arguments (``messages``, ``tools``, ``chat_template``, ``tokenize``, ...).
         """
         if self.tokenizer is None:
             raise ValueError("messages: chat needs a tokenizer (the engine runs with skip_tokenizer_init)")
@@ -157,9 +170,36 @@ class InputProcessor:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role'")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & self._renderer_arguments())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs must not set {reserved}: they are the renderer's own "
+                             f"arguments (give messages, tools, chat_template, add_generation_prompt and "
+                             f"continue_final_message as request fields)")
+        return {**kwargs, "conversation": messages, "tools": tools, "chat_template": chat_template,
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, "tokenize": False}
+
+    def _renderer_arguments(self) -> set[str]:
+        """Names a template variable from ``chat_template_kwargs`` must not take: the parameters of the
+        tokenizer's ``apply_chat_template``, and ``messages`` (the conversation inside the template)."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} | {"messages"}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            tools: list[dict[str, Any]] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """Render a conversation with the model's chat template (transformers' Jinja renderer), or with
+        ``chat_template`` (run here, unbounded: give request-supplied templates to
+        :class:`~kilat.entrypoints.openai.chat_template_worker.ChatTemplateWorker` instead).
+
+        Raises:
+            ValueError: the arguments are invalid (see :meth:`chat_template_call`) or the template fails.
+        """
+        call = self.chat_template_call(messages, add_generation_prompt, continue_final_message, chat_template,
+                                       tools, chat_template_kwargs)
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
+            return self.tokenizer.apply_chat_template(**call)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from e

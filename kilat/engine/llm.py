@@ -64,7 +64,8 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.input_processor.apply_chat_template(
-            c, add_generation_prompt, continue_final_message, chat_template, **(chat_template_kwargs or {}))
+            c, add_generation_prompt, continue_final_message, chat_template,
+            chat_template_kwargs=chat_template_kwargs)
             for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 

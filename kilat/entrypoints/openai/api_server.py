@@ -12,7 +12,10 @@ import contextlib
 import hmac
 import logging
 import signal
+import json
 from collections.abc import AsyncIterator, Awaitable
+import math
+import re
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.openapi.utils import get_openapi
 
 import kilat
 from kilat.config import EngineArgs
@@ -37,7 +41,8 @@ from kilat.entrypoints.openai.protocol import (
 from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+    ErrorResponse,
+from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, plan_tools
 from kilat.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("kilat")
@@ -95,7 +100,7 @@ def default_model_name(model: str | None) -> str:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _send_error(send: Send, error: APIError) -> None:
@@ -106,7 +111,9 @@ async def _send_error(send: Send, error: APIError) -> None:
 
 class _GuardMiddleware:
     """Checks the API key and the body size before the app sees a request (413 for oversized bodies,
-    whether announced by ``Content-Length`` or found while reading a chunked body)."""
+    whether announced by ``Content-Length`` or found while reading a chunked body), refuses non-finite JSON
+    numbers with a 400, and reads every request body as JSON whatever its ``Content-Type`` (missing,
+    ``text/plain``, or curl's form default), as the OpenAI API takes only JSON bodies."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
         self.app = app
@@ -114,6 +121,42 @@ class _GuardMiddleware:
         self.max_body = max_body
 
     def _authorized(self, header: bytes) -> bool:
+_MAYBE_NON_FINITE = re.compile(rb"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{309}")
+"""Bytes without a match cannot hold a number that Python's ``json`` reads as ``inf`` or ``nan``."""
+
+
+def _non_finite_number(body: bytes) -> APIError | None:
+    """A 400 naming the first field that holds ``NaN``, ``Infinity``, ``-Infinity`` or a number beyond the
+    float range (``1e400``): Python's ``json`` reads them as ``nan``/``inf``, but ``NaN`` and ``Infinity``
+    are not JSON (RFC 8259) and no field may be infinite. ``None`` when there is none, or when the body is
+    not valid JSON (reported by the app)."""
+    if not _MAYBE_NON_FINITE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            name = ".".join(str(p) for p in path) or "body"
+            param = path[0] if path and isinstance(path[0], str) else None
+            return APIError(400, f"{name}: {item} is not a finite number (JSON has no NaN or Infinity, "
+                                 f"RFC 8259)", param=param)
+        if isinstance(item, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def _is_json(content_type: bytes) -> bool:
+    """``application/json`` or ``application/*+json`` (parameters such as ``charset`` ignored)."""
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
         """``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235)."""
         scheme, _, key = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key or b"")
@@ -126,7 +169,8 @@ class _GuardMiddleware:
         if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES) and \
                 not self._authorized(headers.get(b"authorization", b"")):
             await _send_error(send, APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                             "authentication_error", code="invalid_api_key"))
+                                             "authentication_error", code="invalid_api_key",
+                                             headers={"WWW-Authenticate": "Bearer"}))
             return
         too_large = APIError(413, f"request body exceeds {self.max_body} bytes", code="request_too_large")
         length = headers.get(b"content-length")
@@ -154,6 +198,14 @@ class _GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+        if body:
+            error = _non_finite_number(bytes(body))
+            if error is not None:
+                await _send_error(send, error)
+                return
+        if body and not _is_json(headers.get(b"content-type", b"")):
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -219,6 +271,30 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         engine.shutdown()
+_ERROR_DESCRIPTIONS = {400: "Invalid request: the message names the field and its limit",
+                       401: "Missing or invalid API key", 404: "Unknown model", 413: "Request body too large",
+                       500: "Internal error", 503: "The engine is not running"}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with OpenAI's error body."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI schema without its 422 responses: a request that fails validation gets a 400 with
+    OpenAI's error body (declared on each endpoint)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 
     app = FastAPI(title="kilat", version=kilat.__version__, lifespan=lifespan)
     app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body=config.max_request_body_bytes)
@@ -229,9 +305,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        await chat.close()  # a stuck request-template render must not outlive the server
         problems = []
         param = None
         for err in e.errors():
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
             if err.get("type") == "json_invalid":
                 problems.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
                 continue
@@ -242,7 +320,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return _error_response(APIError(e.status_code, str(e.detail)))
+        return _error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
@@ -261,22 +339,22 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kilat",
              "root": engine.config.model.model or names[0], "max_model_len": engine.max_model_len}
             for name in names]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_errors(400, 401, 404, 413, 500, 503))
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await _respond(raw, completions.create(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 413, 500, 503))
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await _respond(raw, chat.create(request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
     async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
         chat.check_model(request.model)
         to_ids = engine.input_processor.to_token_ids
@@ -284,14 +362,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
             if (request.prompt is None) == (request.messages is None):
                 raise ValueError("prompt or messages: exactly one must be given")
             if request.messages is not None:
-                _, ids = await engine.in_tokenizer_thread(to_ids, await chat.render(request), False)
+                plan = plan_tools(request.tools, "none", True, None)  # validated; rendered as chat renders them
+                prompt = await chat.render(request, plan.tools if plan is not None else None)
+                _, ids = await engine.in_tokenizer_thread(to_ids, prompt, False)
             else:
                 _, ids = await engine.in_tokenizer_thread(to_ids, request.prompt, request.add_special_tokens)
         except ValueError as e:
             raise bad_request(e, set(TokenizeRequest.model_fields)) from e
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
         chat.check_model(request.model)
         vocab = engine.input_processor.vocab_size

@@ -1,15 +1,16 @@
 """Request bodies of the OpenAI API (completions, chat completions) plus vLLM's extra sampling fields.
 
-Types are checked by pydantic; values are checked by :class:`~kilat.sampling_params.SamplingParams` and
-the input processor, whose ``ValueError`` names the field. Unknown fields are ignored, as OpenAI-compatible
-servers do. See https://platform.openai.com/docs/api-reference.
+Types are checked by pydantic, strictly for integers and booleans (``1e9`` is not an integer, ``0`` not a
+boolean), and numbers must be finite; values are checked by :class:`~kilat.sampling_params.SamplingParams`
+and the input processor, whose ``ValueError`` names the field. Unknown fields are ignored, as
+OpenAI-compatible servers do. See https://platform.openai.com/docs/api-reference.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kilat.engine.input_processor import MAX_LOGPROBS
 from kilat.sampling_params import SamplingParams, StructuredOutputsParams
@@ -27,35 +28,35 @@ MAX_STOP_CHARS = 1024
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage of every choice."""
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = 1
+    n: StrictInt = 1
     temperature: float = 1.0
     top_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int = 0
+    top_k: StrictInt = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -132,11 +133,11 @@ class CompletionRequest(_SamplingRequest):
     """
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list.
@@ -205,7 +206,22 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateFields(BaseModel):
+    """How the messages are rendered (vLLM's fields): ``add_generation_prompt`` opens an assistant turn,
+    ``continue_final_message`` leaves the last message open (not both); ``chat_template`` replaces the
+    model's (only with ``--trust-request-chat-template``); ``chat_template_kwargs`` are extra template
+    variables, which must not name the renderer's own arguments."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     """``POST /v1/chat/completions``.
 
     ``max_completion_tokens`` (or the older ``max_tokens``) defaults to whatever fits in
@@ -213,17 +229,12 @@ class ChatCompletionRequest(_SamplingRequest):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     def to_sampling_params(self) -> SamplingParams:
         """Validated :class:`SamplingParams`.
@@ -239,16 +250,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``."""
-
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_ChatTemplateFields):
+    """``POST /tokenize`` (vLLM): either ``prompt`` or chat ``messages``, rendered as the chat endpoint
+    renders them (with ``tools``, ``chat_template``, ...); ``add_special_tokens`` applies to ``prompt``."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
@@ -258,3 +267,18 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[StrictInt]
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of OpenAI's error responses."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error response: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's format)."""
+
+    error: ErrorInfo

@@ -34,16 +34,18 @@ class APIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ``server_error``).
         param: the request field at fault, if known.
         code: a short machine-readable code, if any.
+        headers: extra response headers (``Allow`` on a 405, ``WWW-Authenticate`` on a 401).
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body."""

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kilat.engine.async_llm import AsyncLLM, RequestStream
+from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker
 from kilat.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from kilat.entrypoints.openai.serving import (
     APIError,
@@ -44,6 +45,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
+        self._template_worker: ChatTemplateWorker | None = None
 
     def _token_logprob(self, token_id: int, lp: Logprob) -> dict[str, Any]:
         return {"token": lp.decoded_token or "", "logprob": clamp_logprob(lp.logprob),
@@ -64,31 +66,44 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item)
         return {"content": content}
 
-    async def render(self, request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None) -> str:
-        """The conversation rendered by the model's chat template (in the tokenizer thread), with the tools
-        of ``plan``: passed to a template that uses them, else described in a system message.
+    async def render(self, request: ChatCompletionRequest | TokenizeRequest,
+                     tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation rendered by the chat template, with ``tools`` (function definitions): passed to
+        a template that uses them, else described in a system message.
+
+        The model's template renders in the tokenizer thread; a request's own ``chat_template`` (only with
+        ``trust_request_chat_template``) in the :class:`ChatTemplateWorker` child, bounded in time and memory.
 
         Raises:
-            ValueError: malformed messages, a failing template, or a request template that is not trusted.
+            ValueError: malformed messages, reserved ``chat_template_kwargs``, a failing, slow or oversized
+                template, or a request template that is not trusted.
         """
-        template = getattr(request, "chat_template", None)
+        template = request.chat_template
         if template is not None and not self.trust_request_chat_template:
             raise ValueError("chat_template in the request is not allowed; start the server with "
                              "--trust-request-chat-template to allow it")
+        processor = self.engine.input_processor
         messages = [m.to_template_dict() for m in request.messages or []]
-        kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
-        if plan is not None and plan.choice != "none":
-            tools = [{"type": "function", "function": f} for f in plan.tools]
-            if "tools" in str(template or self.engine.input_processor.tokenizer.chat_template or ""):
-                kwargs["tools"] = tools
+        template_tools = None
+        if tools:
+            if "tools" in str(template or processor.tokenizer.chat_template or ""):
+                template_tools = [{"type": "function", "function": f} for f in tools]
             elif messages and messages[0]["role"] == "system":
-                described = f"{messages[0]['content']}\n\n{tools_system_prompt(plan.tools)}"
-                messages[0] = {**messages[0], "content": described}
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{tools_system_prompt(tools)}"}
             else:
-                messages.insert(0, {"role": "system", "content": tools_system_prompt(plan.tools)})
-        return await self.engine.in_tokenizer_thread(
-            self.engine.input_processor.apply_chat_template, messages, request.add_generation_prompt,
-            getattr(request, "continue_final_message", False), template, **kwargs)
+                messages.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
+        args = (messages, request.add_generation_prompt, request.continue_final_message, template, template_tools,
+                request.chat_template_kwargs)
+        if template is None:
+            return await self.engine.in_tokenizer_thread(processor.apply_chat_template, *args)
+        if self._template_worker is None:
+            self._template_worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
+        return await self._template_worker.render(processor.chat_template_call(*args))
+
+    async def close(self) -> None:
+        """Kill the request-template renderer process, if one runs."""
+        if self._template_worker is not None:
+            await self._template_worker.close()
 
     def _plan(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan | None, SamplingParams]:
         """The request's tool plan, and its sampling parameters with the plan's constraint.
@@ -124,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         try:
             plan, params = self._plan(request, request.to_sampling_params())
-            prompt = await self.render(request, plan)
+            prompt = await self.render(request, plan.tools if plan is not None and plan.choice != "none" else None)
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
