@@ -26,8 +26,8 @@ import torch
 HOLD_CORES = 0.4
 """Foreign CPU load (in cores) that counts as holding a core. A process spinning on one core gets only
 ``n / (n + 1)`` of a core (½ on 2 cores) while kilat's ``n`` threads compete with it, and less while the API
-process runs too, so the threshold must lie below ½ to notice it at all; a light loopback client (0.1 core
-at W6 concurrency 16, docs/benchmarks.md) stays below it."""
+process runs too, so the threshold must lie below ½ to notice it at all. A light loopback client stays
+below it (``benchmarks/thread_policy.py`` records the client's CPU use next to the throughput)."""
 
 SUSTAIN_INTERVALS = 3
 """Consecutive measurements a foreign load must hold a core before a thread is dropped (a spike does not)."""
