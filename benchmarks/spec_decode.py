@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """W2-style batch-1 latency with and without speculative decoding, on a prompt that invites copying.
 
-Workload: W2 (``shared/docs/workloads.md``: batch 1, output 128) with a chat prompt instead of random ids:
+Workload: W2 (``docs/workloads.md``: batch 1, output 128) with a chat prompt instead of random ids:
 one user message asks the model to rewrite a 47-line Python snippet with one change (rename the variable
 ``counts`` to ``quantities``) and to reply with the code only, so most of the reply copies the prompt. Greedy
 (temperature 0), EOS ignored, ``--max-tokens`` (128) output tokens, so every configuration emits the same

@@ -1,4 +1,4 @@
-"""``kilat bench`` metric arithmetic on synthetic chunk timelines (metrics.md definitions)."""
+"""``kilat bench`` metric arithmetic on synthetic chunk timelines (docs/metrics.md definitions)."""
 
 from __future__ import annotations
 

@@ -1,2 +1,2 @@
 """``kilat bench``: measure an OpenAI-compatible server (``serve``) or the offline engine (``throughput``,
-``latency``) with the metric definitions of ``../shared/docs/metrics.md``."""
+``latency``) with the metric definitions of ``docs/metrics.md``."""

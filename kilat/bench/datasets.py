@@ -1,5 +1,5 @@
 """Benchmark prompts: ``random`` token ids, ``shared-prefix`` groups, ``text`` prompts built from a bundled
-text, and a JSONL file (``../shared/docs/workloads.md``)."""
+text, and a JSONL file (the workloads of ``docs/workloads.md``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DATASETS = ("random", "shared-prefix", "text", "jsonl")
 
 
 def _token_ids(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
-    """``n`` token ids drawn from ``[100, vocab_size - 100)`` (workloads.md)."""
+    """``n`` token ids drawn from ``[100, vocab_size - 100)`` (``docs/workloads.md``)."""
     return rng.integers(100, vocab_size - 100, size=n).tolist()
 
 

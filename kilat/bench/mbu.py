@@ -1,4 +1,4 @@
-"""Model bandwidth utilization (MBU, ``../shared/docs/metrics.md``): bytes a decode step reads, and the
+"""Model bandwidth utilization (MBU, ``docs/metrics.md``): bytes a decode step reads, and the
 memory bandwidth they are divided by. No serving dependencies, so GPU scripts can import it."""
 
 from __future__ import annotations

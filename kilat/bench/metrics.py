@@ -1,4 +1,4 @@
-"""Benchmark metric arithmetic, exactly as ``../shared/docs/metrics.md`` defines it.
+"""Benchmark metric arithmetic, exactly as ``docs/metrics.md`` defines it.
 
 Per request, from the client's clock (``time.perf_counter`` seconds) starting when the request is sent:
 TTFT until the first chunk that carries generated text; ITL the gaps between consecutive content chunks

@@ -3,7 +3,7 @@
 W1: ``--num-prompts`` requests of random token ids (lengths uniform in ``--input-len``), ``--output-len``
 tokens each with EOS ignored, all submitted at once; output and total tokens/s over the whole batch.
 W2: batch 1, a ``--input-len``-token prompt, ``--output-len`` tokens; TTFT and decode tokens/s =
-(output_tokens - 1) / (E2EL - TTFT), median of ``--num-iters`` runs. MBU (metrics.md) = bytes read per
+(output_tokens - 1) / (E2EL - TTFT), median of ``--num-iters`` runs. MBU (``docs/metrics.md``) = bytes read per
 decode step (weights + KV cache touched) × decode steps/s ÷ peak memory bandwidth, where the bandwidth is
 ``--memory-bandwidth-gbps`` or, when not given, measured with a large tensor copy.
 """

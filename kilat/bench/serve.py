@@ -1,4 +1,4 @@
-"""``kilat bench serve``: load an OpenAI-compatible server and report ``../shared/docs/metrics.md`` metrics.
+"""``kilat bench serve``: load an OpenAI-compatible server and report the metrics of ``docs/metrics.md``.
 
 Requests arrive as a Poisson process of ``request_rate`` per second (seeded; ``inf`` sends all at once),
 at most ``max_concurrency`` in flight. The prefix-cache hit rate and the speculative decoding acceptance come
@@ -116,7 +116,7 @@ _ACCEPTED_PER_POS = re.compile(r'[^{]*:spec_decode_num_accepted_tokens_per_pos_t
 
 
 def spec_decode_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Speculative decoding over the run (metrics.md), from ``*:spec_decode_*_total`` counter deltas.
+    """Speculative decoding over the run (``docs/metrics.md``), from ``*:spec_decode_*_total`` counter deltas.
 
     Returns:
         ``spec_decode_acceptance_rate``: accepted / proposed draft tokens (fraction).
@@ -196,7 +196,7 @@ async def run_load(requests: list[BenchRequest], config: LoadConfig) -> tuple[li
 
 
 def count_missing_output_tokens(results: list[RequestResult], tokenizer: Any) -> None:
-    """For responses without ``usage``, count output tokens by tokenizing the text (metrics.md)."""
+    """For responses without ``usage``, count output tokens by tokenizing the text (``docs/metrics.md``)."""
     for r in results:
         if r.success and r.output_tokens == 0 and r.text:
             r.output_tokens = len(tokenizer(r.text, add_special_tokens=False).input_ids)

@@ -4,7 +4,7 @@ The frontend (API process) pushes :class:`AddRequests`, :class:`AbortRequests` a
 messages; the core pushes back one :class:`EngineCoreOutputs` per loop turn that stepped or changed
 state. Messages are pickled. The core never waits on a client: it only blocks on its input socket when it
 has nothing to run, and a watcher thread ends the process within a second of the parent's death, whether
-the core is loading, busy or idle (design.md, "process layout").
+the core is loading, busy or idle (docs/architecture.md, "Data flow (`kilat serve`)").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class KVCacheManager:
         enable_caching: automatic prefix caching.
 
     Counters ``prefix_queries`` / ``prefix_hits`` count prompt tokens and prompt tokens served from the
-    cache, once per request at its first admission (metrics.md: hit rate = cached prompt tokens / prompt
+    cache, once per request at its first admission (docs/metrics.md: hit rate = cached prompt tokens / prompt
     tokens).
     """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the served engine, named as in ``../shared/docs/metrics.md`` (prefix ``kilat:``).
+"""Prometheus metrics of the served engine, named as in ``docs/metrics.md`` (prefix ``kilat:``).
 
 Histograms are observed in the API process: TTFT, TPOT, E2E latency, queue, prefill and decode time when a
 request finishes (from the engine core's timestamps), and inter-token latency as output tokens arrive.

@@ -1,4 +1,4 @@
-"""Engine statistics with the names of ``../shared/docs/metrics.md``: per step and cumulative."""
+"""Engine statistics with the names of ``docs/metrics.md``: per step and cumulative."""
 
 from __future__ import annotations
 
