@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
 import requests
 
-from tests.server_utils import Server, scrape_metrics
+from tests.server_utils import Server, pid_alive, scrape_metrics
 
 API_KEY = "sk-kilat-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -740,3 +742,71 @@ def test_bad_tools_are_400(server: Server, body: dict[str, Any], param: str, nee
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
     assert_healthy(server)
+
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+SIMPLE_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ extra }}"
+
+
+@pytest.fixture(scope="module")
+def trusted_server() -> Iterator[Server]:
+    srv = Server("--dtype", "float32", "--max-model-len", "512", "--trust-request-chat-template")
+    yield srv
+    srv.stop()
+
+
+def _template_worker_pid(server: Server) -> int | None:
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"chat_template_worker.py" in f.read():
+                return pid
+    return None
+
+
+def test_request_template_renders_with_kwargs(trusted_server: Server) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post(trusted_server, "/tokenize", {"messages": messages, "chat_template": SIMPLE_TEMPLATE,
+                                           "chat_template_kwargs": {"extra": "END"}}, headers={})
+    assert r.status_code == 200, r.text
+    assert post(trusted_server, "/detokenize", {"tokens": r.json()["tokens"]}, headers={}).json()["prompt"] == \
+        "user: Hi\nEND"
+    r = post(trusted_server, "/v1/chat/completions", {"messages": messages, "chat_template": SIMPLE_TEMPLATE,
+                                                       "max_tokens": 2, "temperature": 0}, headers={})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stuck_request_template_is_400_and_others_are_served(trusted_server: Server) -> None:
+    """Nested range() loops (10^10 iterations) used to freeze the tokenizer thread: now the render is killed
+    at its time limit, a concurrent plain request is served meanwhile, and the next template renders."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": NESTED_LOOPS, "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        stuck = pool.submit(post, trusted_server, "/v1/chat/completions", body, {})
+        time.sleep(0.5)
+        plain = post(trusted_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+                     headers={})
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
+        assert not stuck.done()
+        r = stuck.result()
+    assert time.monotonic() - start < 5 + 10  # the 5 s limit plus a generous margin for a loaded machine
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "chat_template"
+    assert error["message"] == "chat_template took longer than 5 s to render (the limit for a request's chat template)"
+    test_request_template_renders_with_kwargs(trusted_server)
+
+
+def test_sigterm_does_not_wait_for_a_stuck_render(trusted_server: Server) -> None:
+    """Runs last on this server: SIGTERM during a stuck render exits promptly and leaves no renderer behind."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": NESTED_LOOPS}
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(post, trusted_server, "/tokenize", body, {})
+        deadline = time.monotonic() + 30
+        while (worker := _template_worker_pid(trusted_server)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker is not None
+        time.sleep(1.0)
+        start = time.monotonic()
+        assert trusted_server.stop(timeout_s=60) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        assert time.monotonic() - start < 20
+    assert not pid_alive(worker)
