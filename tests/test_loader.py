@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from kilat.model_executor.loader import (
     embedded_gguf_path,
     get_hf_config,
     get_model,
+    gguf_cache,
     resolve_model_source,
 )
 from kilat.model_executor.loader import gguf as gguf_module
@@ -124,23 +129,126 @@ def test_dummy_preset_has_finite_logits() -> None:
     assert logits.shape == (5, 49152) and torch.isfinite(logits).all()
 
 
-def test_gguf_conversion_is_cached_and_keyed_by_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls = []
+def write_gguf(path: Path, name: str, mtime_ns: int | None = None) -> Path:
+    """A small GGUF file (one tensor) whose content depends on ``name``."""
+    import gguf
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", name)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if mtime_ns is not None:
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+    return path
+
+
+@pytest.fixture
+def fake_conversions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """Conversions write a small config.json and a weights file instead of dequantizing; returns their paths."""
+    calls: list[str] = []
 
     def fake_convert(path: str, out_dir: str) -> None:
         calls.append(path)
         Path(out_dir, "config.json").write_text("{}")
+        Path(out_dir, "model.safetensors").write_bytes(Path(path).read_bytes())
 
     monkeypatch.setenv("KILAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_module, "_convert", fake_convert)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    first = converted_gguf_dir(str(gguf))
-    assert converted_gguf_dir(str(gguf)) == first and len(calls) == 1
-    assert first.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(first, "config.json"))
-    assert [p for p in os.listdir(os.path.dirname(first)) if p.startswith(".")] == []  # no temp dirs left
-    gguf.write_bytes(b"GGUF, changed")
-    assert converted_gguf_dir(str(gguf)) != first and len(calls) == 2
+    return calls
+
+
+def cache_folders(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir())
+
+
+def test_gguf_cache_is_keyed_by_content(fake_conversions: list[str], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # two installations of one package: the same file at two paths, with different mtimes
+    first_copy = write_gguf(tmp_path / "a" / "m.gguf", "m", mtime_ns=1_000_000_000)
+    second_copy = write_gguf(tmp_path / "b" / "m.gguf", "m", mtime_ns=2_000_000_000)
+    folder = converted_gguf_dir(str(first_copy))
+    assert converted_gguf_dir(str(second_copy)) == folder and fake_conversions == [str(first_copy)]
+    digest = hashlib.sha256(first_copy.read_bytes()).hexdigest()
+    assert os.path.basename(folder) == f"sha256-{digest[:16]}" and folder.startswith(str(tmp_path / "cache"))
+    assert json.loads(Path(folder, "kilat-cache.json").read_text())["sha256"] == digest
+    assert cache_folders(tmp_path) == [os.path.basename(folder)]  # no temporary folders left
+
+    # a warm start reads the digest from the sidecar instead of the file
+    hashed: list[str] = []
+    real_sha256 = gguf_cache.file_sha256
+    monkeypatch.setattr(gguf_cache, "file_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    assert converted_gguf_dir(str(first_copy)) == folder and hashed == []
+    os.utime(first_copy, ns=(3_000_000_000, 3_000_000_000))  # reinstalled: same bytes, new mtime
+    assert converted_gguf_dir(str(first_copy)) == folder and hashed == [str(first_copy)]
+    assert len(fake_conversions) == 1
+
+    write_gguf(second_copy, "other")  # changed content: a new folder
+    assert converted_gguf_dir(str(second_copy)) != folder and len(fake_conversions) == 2
+
+
+def test_gguf_cache_prunes_stale_folders(fake_conversions: list[str], tmp_path: Path,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "cache" / "gguf"
+    model, copy = write_gguf(tmp_path / "m.gguf", "v1"), write_gguf(tmp_path / "copy.gguf", "v1")
+    v1 = os.path.basename(converted_gguf_dir(str(model)))
+    assert converted_gguf_dir(str(copy)) == str(root / v1)
+    legacy = root / "m.gguf-288-1796176534976522809"  # the cache layout keyed by mtime
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    abandoned = root / ".sha256-0123456789abcdef.dead"  # a writer that was killed
+    abandoned.mkdir()
+    (abandoned / ".lock").touch()
+    in_progress = root / ".sha256-fedcba9876543210.live"  # a writer at work (holds its lock)
+    in_progress.mkdir()
+    with gguf_cache.file_lock(str(in_progress / ".lock")), caplog.at_level(logging.INFO, logger="kilat"):
+        write_gguf(model, "v2")  # upgraded in place: v1 is still the content of copy.gguf
+        v2 = os.path.basename(converted_gguf_dir(str(model)))
+        assert cache_folders(tmp_path) == sorted([v1, v2, in_progress.name])
+        assert "abandoned conversion" in caplog.text and str(legacy) in caplog.text
+        caplog.clear()
+        copy.unlink()
+        write_gguf(model, "v3")
+        v3 = os.path.basename(converted_gguf_dir(str(model)))
+        assert cache_folders(tmp_path) == sorted([v3, in_progress.name])
+        assert f"pruned {root / v1} from the GGUF cache: a converted model whose GGUF file is gone" in caplog.text
+        assert str(root / v2) in caplog.text
+    assert set(json.loads((root / "digests.json").read_text())) == {os.path.realpath(model)}
+    assert len(fake_conversions) == 3
+
+
+def test_gguf_cache_does_not_use_partial_folders(fake_conversions: list[str], tmp_path: Path) -> None:
+    model = write_gguf(tmp_path / "m.gguf", "m")
+    folder = Path(converted_gguf_dir(str(model)))
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:100])  # truncated
+    assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 2
+    assert (folder / "model.safetensors").read_bytes() == weights
+    (folder / "kilat-cache.json").unlink()  # a folder without its manifest (written last)
+    assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 3
+    assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 3
+
+
+def test_gguf_cache_concurrent_conversions(fake_conversions: list[str], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes converting one file at once: neither deletes the other's folder; one folder remains."""
+    model = write_gguf(tmp_path / "m.gguf", "m")
+    convert = gguf_module._convert
+
+    def slow_convert(path: str, out_dir: str) -> None:
+        time.sleep(0.5)  # both are converting when the first renames its folder into place and prunes
+        convert(path, out_dir)
+
+    monkeypatch.setattr(gguf_module, "_convert", slow_convert)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        folders = pool.map(converted_gguf_dir, [str(model)] * 2)
+    assert folders[0] == folders[1] and cache_folders(tmp_path) == [os.path.basename(folders[0])]
+    assert gguf_cache.is_complete(folders[0], hashlib.sha256(model.read_bytes()).hexdigest())
 
 
 def test_dummy_tokenizers() -> None:

@@ -3,12 +3,13 @@
 Dequantizing a GGUF file with transformers' utilities (which know llama.cpp's tensor names and undo its Q/K
 row permutation) takes ~20 s for SmolLM2-135M. The first load therefore writes an HF directory --
 ``config.json`` (with ``architectures``), ``model.safetensors`` in float32 and the tokenizer files -- under
-``$KILAT_CACHE_DIR`` (default ``~/.cache/kilat``), keyed by the file's name, size and mtime; later loads
-read it in about a second.
+``$KILAT_CACHE_DIR/gguf`` (default ``~/.cache/kilat``), keyed by the sha256 of the file's content (see
+:mod:`kilat.model_executor.loader.gguf_cache`); later loads read it in about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,43 +21,58 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from kilat.model_executor.loader.gguf_cache import (
+    LOCK,
+    cache_key,
+    file_lock,
+    gguf_cache_root,
+    gguf_digest,
+    is_complete,
+    prune,
+    write_manifest,
+)
 from kilat.model_executor.models.registry import architecture_of
 
 logger = logging.getLogger("kilat")
 
 
-def kilat_cache_dir() -> str:
-    """``$KILAT_CACHE_DIR``, or ``~/.cache/kilat``."""
-    return os.environ.get("KILAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kilat")
-
-
 def converted_gguf_dir(gguf_path: str) -> str:
     """The cached HF directory of ``gguf_path``, converting the file on first use.
 
-    The directory is written under a temporary name and renamed into place, so a reader never sees a
-    partial conversion and concurrent converters do not clash.
+    The folder is named after the file's sha256, so copies of one file share it. It is written under a
+    temporary name and renamed into place, so a reader never sees a partial conversion and concurrent
+    converters do not clash; a folder that is not complete (its manifest is missing or disagrees with its
+    files) is converted again. After a conversion, or when the file was new or changed since it was last
+    hashed, cache folders that are no longer current are pruned (logged).
 
     Raises:
         ValueError: for a GGUF architecture that transformers cannot read.
     """
-    stat = os.stat(gguf_path)
-    key = f"{os.path.basename(gguf_path)}-{stat.st_size}-{stat.st_mtime_ns}"
-    target = os.path.join(kilat_cache_dir(), "gguf", key)
-    if os.path.isfile(os.path.join(target, "config.json")):
+    root = gguf_cache_root()
+    lock = os.path.join(root, LOCK)
+    digest, hashed = gguf_digest(gguf_path)
+    key = cache_key(digest)
+    target = os.path.join(root, key)
+    if is_complete(target, digest):
+        if hashed:
+            with file_lock(lock):
+                prune(root, keep=key)
         return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=os.path.dirname(target))
-    try:
+    with contextlib.ExitStack() as stack:
+        with file_lock(lock):  # the temporary folder is never seen without its writer's lock held
+            tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=root)
+            stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+            stack.enter_context(file_lock(os.path.join(tmp, LOCK)))
         started = time.perf_counter()
         _convert(gguf_path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "config.json")):
-                raise
-        logger.info("converted %s to %s in %.1f s", gguf_path, target, time.perf_counter() - started)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_manifest(tmp, digest, os.path.basename(gguf_path))
+        with file_lock(lock):
+            if not is_complete(target, digest):  # else another process finished first
+                shutil.rmtree(target, ignore_errors=True)  # a partial or corrupt folder
+                os.unlink(os.path.join(tmp, LOCK))
+                os.rename(tmp, target)
+                logger.info("converted %s to %s in %.1f s", gguf_path, target, time.perf_counter() - started)
+            prune(root, keep=key)
     return target
 
 
