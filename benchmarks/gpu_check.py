@@ -26,7 +26,8 @@ The summary checks issue 5's targets. It needs only torch, Triton and transforme
     PYTHONPATH=. python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"
 
 ``--smoke`` runs every section on tiny shapes on whatever device there is (Triton in its interpreter on a
-CPU); the test suite uses it to keep this script working between GPU sessions.
+CPU); the test suite uses it to keep this script working between GPU sessions. Each section reports its peak
+resident set size (``peak_rss_mib``, host memory), the report the largest of all processes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import gc
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,11 +57,17 @@ SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smo
             "spec_decode")
 TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
               "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "spec_decode": 180}
+SMOKE_TIMEOUT_FACTOR = 3
+"""``--smoke`` runs on CPUs that the rest of the test suite shares, Triton in its interpreter: each section gets
+this many times its ``TIMEOUTS_S`` (and ``--budget-s`` defaults to twice the full run's)."""
 SPEC_K = 4  # num_speculative_tokens of the spec_decode section's ngram run
 TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+SMOKE_ENGINE_KWARGS = {"num_gpu_blocks_override": 128}
+"""kilat engines' KV cache in ``--smoke``: 128 blocks of 16 tokens (twice ``max_model_len`` 1024), not the CPU
+default of 2 GiB (written in full), so that the test suite's run stays well under 2 GB of memory."""
 TARGETS = {"llama-3-8b W2 decode tokens/s": 215.0, "smollm2-135m W2 decode tokens/s": 1000.0,
            "W1 kilat / HF generate_batch": 10.0}
 
@@ -85,6 +93,12 @@ def time_us(fn: Callable[[], Any], iters: int) -> float:
         sync()
         times.append((time.perf_counter() - start) * 1e6)
     return statistics.median(times)
+
+
+def peak_rss_mib(who: int) -> float:
+    """Peak resident set size in MiB of this process (``resource.RUSAGE_SELF``) or of the largest process
+    among its waited-for descendants (``resource.RUSAGE_CHILDREN``); Linux reports ``ru_maxrss`` in KiB."""
+    return resource.getrusage(who).ru_maxrss / 1024
 
 
 def model_name(args: argparse.Namespace, name: str) -> str:
@@ -303,7 +317,8 @@ def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     llm = LLM(model_name(args, model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192)
+              max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192,
+              **(SMOKE_ENGINE_KWARGS if args.smoke else {}))
     engine = llm.engine
     runner = engine.core.runner
     load_s = time.perf_counter() - started
@@ -349,6 +364,17 @@ def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
             "w1": {"requests": len(prompts), "duration_s": duration, "output_tokens": sum(lengths),
                    "output_tokens_per_s": sum(lengths) / duration,
                    "graph_replays": graphs.num_replays if graphs else 0}}
+
+
+def smoke_batching_config() -> Any:
+    """``generate_batch``'s continuous-batching config for ``--smoke``: a fixed small paged cache.
+
+    Left to itself, transformers sizes the cache from free memory -- on a CPU up to 90% of the host's RAM (a
+    12.5 GB peak RSS on a 24 GiB machine) -- while the smoke run's W1 (8 prompts of at most 32 tokens, 8 new
+    tokens each) fits in 8 blocks of 256 tokens. The full run keeps transformers' own sizing."""
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
 
 
 def section_hf(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -402,11 +428,14 @@ def section_hf(args: argparse.Namespace, model: str) -> dict[str, Any]:
         return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
     prompts = w1_prompts(args, vocab)
+    batching = smoke_batching_config() if args.smoke else None  # None: transformers sizes it from free memory
     with torch.inference_mode():
-        hf.generate_batch(inputs=w1_prompts(args, vocab, seed=1)[:8], generation_config=config_for(8))
+        hf.generate_batch(inputs=w1_prompts(args, vocab, seed=1)[:8], generation_config=config_for(8),
+                          continuous_batching_config=batching)
         sync()
         start = time.perf_counter()
-        results = hf.generate_batch(inputs=prompts, generation_config=config_for(args.w1_output_len))
+        results = hf.generate_batch(inputs=prompts, generation_config=config_for(args.w1_output_len),
+                                    continuous_batching_config=batching)
         sync()
     duration = time.perf_counter() - start
     lengths = [len(r.generated_tokens) for r in results.values()]
@@ -433,6 +462,8 @@ def section_spec_decode(args: argparse.Namespace) -> dict[str, Any]:
 
     max_tokens = 8 if args.smoke else 128
     engine_kwargs = {"model": args.spec_model} if args.spec_model else {}
+    if args.smoke:
+        engine_kwargs.update(SMOKE_ENGINE_KWARGS)
     configs = {BASELINE: None, f"ngram-k{SPEC_K}": ngram_config(SPEC_K)}
     repeats = 1 if args.smoke else args.w2_iters
     result: dict[str, Any] = {"model": args.spec_model or "SmolLM2-135M-Instruct (embedded)",
@@ -536,7 +567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--section", choices=SECTIONS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (tests)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock limit for all sections")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock limit for all sections in seconds (default 420; 840 with --smoke)")
     parser.add_argument("--w1-requests", type=int, default=None, help="default 256 (8 with --smoke)")
     parser.add_argument("--w1-output-len", type=int, default=None, help="default 256 (8 with --smoke)")
     parser.add_argument("--w2-input-len", type=int, default=None, help="default 128 (16 with --smoke)")
@@ -547,8 +579,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec-model", default=None, metavar="PATH",
                         help="model of the spec_decode section (default: the embedded SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
-    defaults = {"w1_requests": (256, 8), "w1_output_len": (256, 8), "w2_input_len": (128, 16),
-                "w2_output_len": (256, 8)}
+    defaults = {"budget_s": (420.0, 840.0), "w1_requests": (256, 8), "w1_output_len": (256, 8),
+                "w2_input_len": (128, 16), "w2_output_len": (256, 8)}
     for name, (full, smoke) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
@@ -558,7 +590,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.section:
-        print(MARK + json.dumps(RUNNERS[args.section](args)), flush=True)
+        result = RUNNERS[args.section](args)
+        result["peak_rss_mib"] = max(peak_rss_mib(resource.RUSAGE_SELF), peak_rss_mib(resource.RUSAGE_CHILDREN))
+        print(MARK + json.dumps(result), flush=True)
         return 0
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -581,11 +615,14 @@ def main(argv: list[str] | None = None) -> int:
             report["sections"][name] = {"error": "skipped: out of --budget-s"}
             continue
         print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
-        report["sections"][name] = run_section(name, args, min(TIMEOUTS_S[name], remaining))
+        limit = TIMEOUTS_S[name] * (SMOKE_TIMEOUT_FACTOR if args.smoke else 1)
+        report["sections"][name] = run_section(name, args, min(limit, remaining))
         report["summary"] = summarize(report["sections"])
         if out:
             Path(out).write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report["sections"])
+    # sections that timed out or crashed count too: subprocess.run waited for them
+    report["peak_rss_mib"] = max(peak_rss_mib(resource.RUSAGE_SELF), peak_rss_mib(resource.RUSAGE_CHILDREN))
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
