@@ -2,8 +2,9 @@
 
 The frontend (API process) pushes :class:`AddRequests`, :class:`AbortRequests` and :class:`Shutdown`
 messages; the core pushes back one :class:`EngineCoreOutputs` per loop turn that stepped or changed
-state. Messages are pickled. The core never waits on a client: it only blocks on its input socket when it
-has nothing to run, and a watcher thread ends the process within a second of the parent's death, whether
+state. Messages are pickled. The core never waits on a client: it only blocks on its input socket (and on
+the grammar compiles' wake-up pipe) when it has nothing to run or only requests waiting for grammars, and a
+watcher thread ends the process within a second of the parent's death, whether
 the core is loading, busy or idle (docs/architecture.md, "Data flow (`kilat serve`)").
 """
 
@@ -115,10 +116,28 @@ class EngineCoreProc:
         elif isinstance(message, Shutdown):
             raise SystemExit(0)
 
+    def _can_step(self) -> bool:
+        """True when a step has something to do (a request that is not only waiting for its grammar)."""
+        return self.core.has_unfinished_requests() and not self.core.waits_only_for_grammars()
+
+    def _sleep(self) -> bool:
+        """Block until a frontend message arrives or a grammar compile ends, for at most ``_PARENT_CHECK_S``;
+        True when either happened."""
+        fd = self.core.grammar_wakeup_fd
+        if fd is None:
+            return bool(self.input.poll(int(_PARENT_CHECK_S * 1000)))
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        poller.register(fd, zmq.POLLIN)
+        events = poller.poll(int(_PARENT_CHECK_S * 1000))
+        self.core.drain_grammar_wakeups()
+        return bool(events)
+
     def run(self) -> None:
-        """Loop until :class:`Shutdown` or SIGTERM."""
+        """Loop until :class:`Shutdown` or SIGTERM. With nothing to step (no request, or only requests waiting
+        for their grammars) it sleeps; it sends a message only after a step or a frontend message."""
         while True:
-            if not self.core.has_unfinished_requests() and not self.input.poll(int(_PARENT_CHECK_S * 1000)):
+            if not self._can_step() and not self._sleep():
                 continue
             errors: list[str] = []
             outputs: list[EngineCoreOutput] = []
@@ -126,7 +145,7 @@ class EngineCoreProc:
             while self.input.poll(0):
                 received = True
                 self._handle(pickle.loads(self.input.recv()), outputs, errors)
-            if self.core.has_unfinished_requests():
+            if self._can_step():
                 try:
                     outputs += self.core.step()
                 except StepFailed as e:
@@ -135,6 +154,7 @@ class EngineCoreProc:
                     errors.append(str(e))
             elif not received:
                 continue
+            errors += [o.error for o in outputs if o.error is not None]
             _send(self.output, EngineCoreOutputs(outputs, self.core.update_gauges(), error="; ".join(errors) or None))
 
 

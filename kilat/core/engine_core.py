@@ -37,6 +37,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: per prompt position, sent once with the first token, when asked for.
         metrics: the request's timings, sent with its first token and when it finishes.
+        error: why the engine ended the request (finish reason ``"abort"``), e.g. its grammar failed to
+            compile or ran past the compile time limit.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None
 
 
 class StepFailed(RuntimeError):
@@ -110,8 +113,25 @@ class EngineCore:
             model = self.config.model
             source = resolve_model_source(model.model, model.load_format)
             self.structured_outputs = StructuredOutputManager(lambda: get_tokenizer(model.tokenizer or source),
-                                                              self.runner.hf_config.vocab_size)
+                                                              self.runner.hf_config.vocab_size,
+                                                              self.config.structured_outputs)
         return self.structured_outputs
+
+    def waits_only_for_grammars(self) -> bool:
+        """True when no step can do anything until a grammar compile ends (:attr:`grammar_wakeup_fd` then
+        becomes readable) or a new message arrives: the core process sleeps instead of stepping."""
+        return self.scheduler.waits_only_for_grammars()
+
+    @property
+    def grammar_wakeup_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a grammar compile ends, once structured outputs are in
+        use (``None`` before); :meth:`drain_grammar_wakeups` empties it."""
+        return None if self.structured_outputs is None else self.structured_outputs.wakeup_fd
+
+    def drain_grammar_wakeups(self) -> None:
+        """Empty :attr:`grammar_wakeup_fd` (before the next step looks at which grammars are ready)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.drain_wakeups()
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -147,9 +167,10 @@ class EngineCore:
                 finished in it report ``abort`` too) and the prefix cache is cleared.
         """
         start = time.perf_counter()
-        # A grammar that compiles with an error ends its request here, in order, with finish reason "abort".
-        outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort")
-                   for r in self.abort_requests(self.scheduler.failed_grammars())]
+        # A grammar that failed to compile (or in time) ends its request here with finish reason "abort".
+        failed = {r.request_id: r.grammar.error for r in self.scheduler.failed_grammars()}
+        outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
+                   for r in self.abort_requests(list(failed))]
         sched = self.scheduler.schedule()
         try:
             results = self.runner.execute(sched, self.kv) if sched.scheduled else {}

@@ -92,6 +92,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        if request.grammar is not None:
+            request.grammar.cancel()  # stops a compile that no other request waits for
         request.grammar = None
         request.clear_drafts()
         self.requests.pop(request.request_id, None)
@@ -126,10 +128,15 @@ class Scheduler:
             return 0
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - 1 - scheduled_end))
 
-    def failed_grammars(self) -> list[str]:
-        """Ids of waiting requests whose grammar failed to compile (the engine core aborts them)."""
-        return [r.request_id for r in self.waiting
-                if r.grammar is not None and r.grammar.ready and r.grammar.error is not None]
+    def failed_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile (the engine core aborts them)."""
+        return [r for r in self.waiting if r.grammar is not None and r.grammar.ready and r.grammar.error is not None]
+
+    def waits_only_for_grammars(self) -> bool:
+        """True when nothing can run until a grammar compile ends: no request runs, and every waiting one
+        waits for its grammar."""
+        return not self.running and bool(self.waiting) and all(
+            r.grammar is not None and not r.grammar.ready for r in self.waiting)
 
     def _waits_for_leader(self, request: Request) -> bool:
         """A sibling of an ``n > 1`` request waits until its leader's prompt is cached (unless it wants
@@ -169,7 +176,9 @@ class Scheduler:
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if self._waits_for_leader(request) or (request.grammar is not None and not request.grammar.ready):
+            grammar = request.grammar
+            if self._waits_for_leader(request) or (grammar is not None and (not grammar.ready or grammar.error)):
+                # a grammar that failed since failed_grammars() ran ends the request in the next step
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)

@@ -10,6 +10,7 @@ from typing import Any
 import xgrammar as xgr
 
 from kilat.sampling_params import StructuredOutputsParams
+from kilat.structured_outputs.limits import check_limits
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's ``[time] file.cc:line: `` prefix on error messages."""
@@ -29,12 +30,14 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Parse the constraint without a tokenizer, so a bad one is refused before it enters the engine.
+    """Check the constraint's size (:func:`~kilat.structured_outputs.limits.check_limits`), then parse it
+    without a tokenizer, so a bad one is refused before it enters the engine.
 
     Raises:
-        ValueError: naming the field: a schema that is not JSON or that xgrammar cannot convert, an invalid
-            regex, or an EBNF grammar that does not parse.
+        ValueError: naming the field: a constraint over a size limit, a schema that is not JSON or that
+            xgrammar cannot convert, an invalid regex, or an EBNF grammar that does not parse.
     """
+    check_limits(params)
     kind, _ = params.key
     try:
         if kind == "json":
