@@ -206,21 +206,67 @@ class SpeculativeConfig:
         Raises:
             ValueError: invalid JSON, an unknown key or an invalid value, named.
         """
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        value = _json_object(cls, "speculative_config", value)
         missing = sorted(n for n in ("method", "num_speculative_tokens") if n not in value)
         if missing:
             raise ValueError(f"speculative_config: missing required key(s) {missing}")
         return cls(**value)
+
+
+def _json_object(cls: type, name: str, value: str | dict[str, Any]) -> dict[str, Any]:
+    """``value`` (a dict or its JSON text) as a dict of ``cls``'s fields.
+
+    Raises:
+        ValueError: invalid JSON, not an object, or an unknown key, named after ``name``.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(names)}")
+    return value
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """How the engine core compiles structured-outputs grammars (``--structured-outputs-config``, a JSON
+    object; vLLM has the flag, these keys are kilat's).
+
+    Attributes:
+        compile_timeout_s: most seconds one grammar may take to compile; a request whose grammar takes longer
+            ends with finish reason ``abort`` and an error naming this limit.
+        cache_size_mb: most MiB of compiled grammars kept for reuse (xgrammar's ``memory_size_bytes``), least
+            recently used out first.
+        num_workers: grammar compiles at once, each in a worker process of its own (killed when its requests
+            go away or time runs out).
+    """
+
+    compile_timeout_s: float = 10.0
+    cache_size_mb: int = 512
+    num_workers: int = 2
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.compile_timeout_s, int | float) and 0 < self.compile_timeout_s <= 3600,
+               "structured_outputs_config.compile_timeout_s", f"must be in (0, 3600], got {self.compile_timeout_s}")
+        _check(isinstance(self.cache_size_mb, int) and self.cache_size_mb >= 0,
+               "structured_outputs_config.cache_size_mb", f"must be an integer >= 0, got {self.cache_size_mb}")
+        _check(isinstance(self.num_workers, int) and 1 <= self.num_workers <= 64,
+               "structured_outputs_config.num_workers", f"must be in [1, 64], got {self.num_workers}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> StructuredOutputsConfig:
+        """Build from a dict or its JSON text (``--structured-outputs-config '{"compile_timeout_s": 5}'``).
+
+        Raises:
+            ValueError: invalid JSON, an unknown key or an invalid value, named.
+        """
+        return cls(**_json_object(cls, "structured_outputs_config", value))
 
 
 @dataclass
@@ -237,6 +283,8 @@ class EngineArgs:
             free, re-measured every second (docs/benchmarks.md says why).
         speculative_config: speculative decoding, as a dict of :class:`SpeculativeConfig` fields or its JSON
             text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; ``None`` turns it off.
+        structured_outputs_config: grammar compiles, as a dict of :class:`StructuredOutputsConfig` fields or its
+            JSON text, e.g. ``{"compile_timeout_s": 5, "cache_size_mb": 256}``; ``None`` keeps the defaults.
     """
 
     model: str | None = ModelConfig.model
@@ -259,6 +307,7 @@ class EngineArgs:
     attention_backend: str = ExecutionConfig.attention_backend
     enforce_eager: bool = ExecutionConfig.enforce_eager
     speculative_config: str | dict[str, Any] | None = None
+    structured_outputs_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "device",
@@ -288,9 +337,10 @@ class EngineArgs:
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
         speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+        structured_outputs = StructuredOutputsConfig.parse(self.structured_outputs_config or {})
         return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
-                            execution=build(ExecutionConfig), speculative=speculative, device=device,
-                            num_threads=self.num_threads)
+                            execution=build(ExecutionConfig), speculative=speculative,
+                            structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
 
 
 @dataclass
@@ -302,5 +352,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     speculative: SpeculativeConfig | None = None
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     device: str = "cpu"
     num_threads: int | None = None
