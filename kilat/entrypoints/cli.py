@@ -16,7 +16,15 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import kilat
-from kilat.config import CacheConfig, EngineArgs, ExecutionConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kilat.config import (
+    CacheConfig,
+    EngineArgs,
+    ExecutionConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
 from kilat.sampling_params import SamplingParams
 
 
@@ -93,6 +101,8 @@ def engine_arg_help() -> dict[str, str]:
     for cls in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig, EngineArgs):
         docs.update(attribute_docs(cls))
     docs["speculative_config"] += f" Keys: {', '.join(f.name for f in dataclasses.fields(SpeculativeConfig))}."
+    docs["structured_outputs_config"] += " Keys (defaults): " + ", ".join(
+        f"{f.name} ({f.default})" for f in dataclasses.fields(StructuredOutputsConfig)) + "."
     for f in dataclasses.fields(EngineArgs):
         if f.metadata.get("size") and f.name in docs:
             docs[f.name] += f" Accepts {SIZE_FORMAT}."
