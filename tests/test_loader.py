@@ -209,7 +209,8 @@ def test_gguf_cache_prunes_stale_folders(fake_conversions: list[str], tmp_path: 
         write_gguf(model, "v2")  # upgraded in place: v1 is still the content of copy.gguf
         v2 = os.path.basename(converted_gguf_dir(str(model)))
         assert cache_folders(tmp_path) == sorted([v1, v2, in_progress.name])
-        assert "abandoned conversion" in caplog.text and str(legacy) in caplog.text
+        assert "abandoned conversion" in caplog.text
+        assert f"pruned {legacy} from the GGUF cache: a folder of an older cache layout" in caplog.text
         caplog.clear()
         copy.unlink()
         write_gguf(model, "v3")

@@ -148,8 +148,10 @@ def prune(root: str, keep: str) -> list[str]:
                 if not free:
                     continue  # a conversion in progress
             reason = "an abandoned conversion"
-        else:
+        elif name.startswith(KEY_PREFIX):
             reason = "a converted model whose GGUF file is gone or has changed"
+        else:
+            reason = "a folder of an older cache layout"
         size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
         shutil.rmtree(path, ignore_errors=True)
         logger.info("pruned %s from the GGUF cache: %s (%.0f MB freed)", path, reason, size / 1e6)
