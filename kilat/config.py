@@ -9,10 +9,13 @@ allowed range.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("kilat")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -325,13 +328,29 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        """Validate and split into an :class:`EngineConfig`."""
+        """Validate and split into an :class:`EngineConfig`.
+
+        Checks what the engine core would otherwise find only after loading the weights: the device exists,
+        the attention backend runs on it, and ``max_model_len`` fits the model's ``max_position_embeddings``
+        (read from config.json or the GGUF header, not the weights). Logs a warning for each flag that the
+        device ignores (``gpu_memory_utilization`` and ``enforce_eager`` on the CPU, ``kv_cache_memory`` on
+        CUDA).
+
+        Raises:
+            ValueError: an invalid value, an unusable device or backend, an unresolvable model, or
+                ``max_model_len`` above the model's limit, named.
+        """
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' is not available (torch.cuda.is_available() is False); use "
+                             "--device cpu or auto")
         from kilat.model_executor.attention.backends import resolve_attention_backend
 
         resolve_attention_backend(self.attention_backend, device)  # refuse an unusable backend before loading
+        self._warn_ignored(device)
+        self._check_max_model_len()
 
         def build(cls: type) -> Any:
             return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
@@ -341,6 +360,30 @@ class EngineArgs:
         return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
+
+    def _warn_ignored(self, device: str) -> None:
+        """Log each flag set to a non-default value that ``device`` does not use."""
+        ignored = {"cpu": [("gpu_memory_utilization", CacheConfig.gpu_memory_utilization),
+                           ("enforce_eager", ExecutionConfig.enforce_eager)],
+                   "cuda": [("kv_cache_memory", CacheConfig.kv_cache_memory)]}[device]
+        for name, default in ignored:
+            if getattr(self, name) != default:
+                logger.warning("%s=%r is ignored on %s", name, getattr(self, name), device.upper())
+
+    def _check_max_model_len(self) -> None:
+        """Refuse a ``max_model_len`` above the model's ``max_position_embeddings`` (config metadata only).
+
+        Raises:
+            ValueError: the model cannot be resolved, or ``max_model_len`` is too large.
+        """
+        from kilat.model_executor.loader.metadata import source_max_position_embeddings
+        from kilat.model_executor.loader.source import resolve_model_source
+
+        if self.max_model_len is None:
+            return
+        model_max = source_max_position_embeddings(resolve_model_source(self.model, self.load_format))
+        _check(self.max_model_len <= model_max, "max_model_len",
+               f"must be <= the model's max_position_embeddings ({model_max}), got {self.max_model_len}")
 
 
 @dataclass

@@ -1,16 +1,22 @@
-"""``kilat serve`` start-up and shutdown: signals stop both processes, a dead engine core is reported."""
+"""``kilat serve`` start-up and shutdown: signals stop both processes, a dead engine core is restarted (or the
+server exits), a port in use fails before the model loads."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
-from tests.server_utils import Server, pid_alive
+from tests.conftest import GGUF_NAME, smollm2_dir
+from tests.server_utils import Server, pid_alive, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -78,20 +84,106 @@ def test_sigterm_while_loading_stops_engine_core() -> None:
     assert not pid_alive(core)
 
 
-def test_dead_engine_core_is_reported() -> None:
-    server = Server(*SMALL_KV)
+def _stream_lines(url: str, lines: list[str], seen: threading.Event) -> None:
+    """Stream a long completion, keeping its SSE lines (the last one says how it ended)."""
+    body = {"prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        for line in r.iter_lines(decode_unicode=True):
+            if line:
+                lines.append(line)
+                seen.set()
+
+
+def _kill_core_mid_stream(server: Server) -> list[str]:
+    """SIGKILL the engine core while a stream runs; return the stream's lines once it ended."""
+    lines: list[str] = []
+    seen = threading.Event()
+    client = threading.Thread(target=_stream_lines, args=(server.url, lines, seen), daemon=True)
+    client.start()
+    assert seen.wait(60), "the stream never started"
+    assert scrape_metrics(server.url)["kilat:num_requests_running"] == 1
+    os.kill(server.engine_core_pid(), signal.SIGKILL)
+    client.join(30)
+    assert not client.is_alive(), "the stream hung after the engine core died"
+    return lines
+
+
+def _wait_health(server: Server, status: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while requests.get(server.url + "/health", timeout=5).status_code != status:
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        time.sleep(0.1)
+
+
+def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) -> None:
+    """kill -9 of the core: the stream in flight ends with an error event, /health says 503 while the gauges
+    read 0 and new requests get 503, then a new core serves; when restarts stop loading (the model file
+    went away), the server gives up after --max-engine-core-restarts and exits non-zero."""
+    model = tmp_path / GGUF_NAME
+    model.symlink_to(os.path.join(smollm2_dir(), GGUF_NAME))
+    server = Server(str(model), *SMALL_KV, "--max-engine-core-restarts", "2")
     try:
-        os.kill(server.engine_core_pid(), signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while requests.get(server.url + "/health", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "/health kept answering 200"
-            time.sleep(0.1)
+        first_core = server.engine_core_pid()
+        lines = _kill_core_mid_stream(server)
+        assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
+        _wait_health(server, 503, 10)
+        metrics = scrape_metrics(server.url)
+        assert (metrics["kilat:num_requests_running"], metrics["kilat:num_requests_waiting"],
+                metrics["kilat:kv_cache_usage_perc"], metrics["kilat:engine_core_restarts_total"]) == (0, 0, 0, 0)
         r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503
-        assert r.json()["error"]["type"] == "server_error"
+        assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+        _wait_health(server, 200, 120)
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4,
+                                                                "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert scrape_metrics(server.url)["kilat:engine_core_restarts_total"] == 1
+        assert server.engine_core_pid() != first_core
+
+        model.unlink()  # the next restart fails to load: restart 2 of 2 is the last
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
+        assert server.proc.wait(120) not in (0, None)
     finally:
-        assert server.stop() is not None
+        server.stop()
     assert not server.children()
+
+
+def test_no_restart_flag_exits_non_zero() -> None:
+    """--max-engine-core-restarts 0 (for systemd or Kubernetes): the stream in flight ends with an error
+    event, then the server exits non-zero and leaves no process behind."""
+    server = Server(*SMALL_KV, "--max-engine-core-restarts", "0")
+    try:
+        lines = _kill_core_mid_stream(server)
+        assert [line for line in lines if line.startswith('data: {"error"')], lines[-3:]
+        assert server.proc.wait(30) not in (0, None)
+    finally:
+        server.stop()
+    assert not server.children()
+
+
+def test_port_in_use_fails_before_the_model_loads() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(port)],
+                              env={**os.environ, "KILAT_LOG_LEVEL": "INFO"}, capture_output=True, text=True,
+                              timeout=120)
+        elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "loaded" not in proc.stderr and "serving" not in proc.stderr, proc.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+def test_api_server_module_is_kilat_serve() -> None:
+    """``python -m kilat.entrypoints.openai.api_server`` (vLLM's command) takes kilat serve's flags."""
+    proc = subprocess.run([sys.executable, "-m", "kilat.entrypoints.openai.api_server", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--port", "--max-model-len", "--kv-cache-memory", "--max-engine-core-restarts", "--api-key"):
+        assert flag in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "kilat.entrypoints.openai.api_server", "--port", "70000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "port must be in [0, 65535], got 70000" in proc.stderr, proc.stderr
 
 
 def test_engine_core_exits_when_server_is_killed() -> None:

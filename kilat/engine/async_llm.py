@@ -3,12 +3,21 @@
 Requests are tokenized, validated and detokenized here, in the caller's asyncio event loop; the model runs
 in the engine-core process. One background task receives the core's outputs, applies them, and wakes the
 :class:`RequestStream` of every request they updated.
+
+When the core process dies (killed, crashed, out of memory), that task fails every request in flight (their
+clients get an error, never a hang), resets the gauges, and starts a new core after a backoff of 1, 2, 4, ...
+seconds (at most 30), up to ``max_engine_core_restarts`` times in a row; a core that served for 60 s ends the
+row. Requests that arrive meanwhile are refused with :class:`EngineDeadError` (HTTP 503). When the restarts
+are used up (or disabled with 0) the engine stays dead and ``on_engine_dead`` is called: ``kilat serve`` then
+exits non-zero, for a supervisor to restart. vLLM does not restart its engine core: its API server shuts down
+when the core dies, as kilat does with ``max_engine_core_restarts=0``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -27,6 +36,13 @@ from kilat.sampling_params import SamplingParams
 logger = logging.getLogger("kilat")
 T = TypeVar("T")
 
+_RESTART_BACKOFF_S = 1.0
+"""Wait before the first restart of a dead engine core (seconds); doubled for each further one in a row."""
+_MAX_RESTART_BACKOFF_S = 30.0
+"""Longest wait before a restart (seconds)."""
+_STABLE_S = 60.0
+"""A core that served this long (seconds) before dying starts a new row of restarts."""
+
 
 class StatLogger(Protocol):
     """Receives what the frontend sees, e.g. to export Prometheus metrics."""
@@ -36,6 +52,12 @@ class StatLogger(Protocol):
 
     def forget(self, request_id: str) -> None:
         """Called when a request is aborted before it finished."""
+
+    def engine_core_died(self) -> None:
+        """Called when the engine-core process is gone: its gauges no longer hold."""
+
+    def engine_core_restarted(self) -> None:
+        """Called when a new engine-core process has loaded the model."""
 
 
 class RequestStream:
@@ -99,17 +121,27 @@ class AsyncLLM:
     Args:
         engine_args: flat engine arguments (vLLM names).
         stat_logger: optional receiver of outputs and engine stats (e.g. Prometheus).
+        max_engine_core_restarts: most restarts of a dead engine core in a row (see the module docs); 0 never
+            restarts it.
+        on_engine_dead: called (in the event loop, with the reason) when the core died and will not be
+            restarted.
+
+    Attributes:
+        dead_error: why no request can be served now (the core is restarting, or dead for good), else ``None``.
+        num_restarts: engine cores started after the first one.
 
     Raises:
         ValueError: an invalid engine argument or model path, named.
         EngineDeadError: the core process failed to load the model.
     """
 
-    def __init__(self, engine_args: EngineArgs, stat_logger: StatLogger | None = None):
+    def __init__(self, engine_args: EngineArgs, stat_logger: StatLogger | None = None,
+                 max_engine_core_restarts: int = 3, on_engine_dead: Callable[[str], None] | None = None):
         self.config = engine_args.create_engine_config()
         resolve_model_source(self.config.model.model, self.config.model.load_format)
         self.client = EngineCoreClient(self.config)
         ready = self.client.ready
+        assert ready is not None
         self.max_model_len = ready.max_model_len
         try:
             self.tokenizer, self.input_processor, self.output_processor = build_processors(
@@ -122,12 +154,17 @@ class AsyncLLM:
         # tokenizer is not safe to call from several threads at once).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kilat-tokenizer")
         self.dead_error: str | None = None
+        self.num_restarts = 0
+        self.max_engine_core_restarts = max_engine_core_restarts
+        self._on_engine_dead = on_engine_dead
+        self._restarts_in_row = 0
+        self._ready_time = time.monotonic()
         self._streams: dict[str, RequestStream] = {}
         self._output_task: asyncio.Task | None = None
 
     @property
     def is_running(self) -> bool:
-        """False once the engine-core process has died."""
+        """False while the engine-core process is dead or restarting."""
         return self.dead_error is None and self.client.process.is_alive()
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -151,6 +188,8 @@ class AsyncLLM:
         processed = await self.in_tokenizer_thread(
             lambda: [(rid, *self.input_processor.process(rid, prompt, params, add_special_tokens))
                      for rid, prompt in prompts])
+        if not self.is_running:  # it died while we tokenized: streams registered now would never be failed
+            raise EngineDeadError(self.dead_error or "engine core is not running")
         streams: list[RequestStream] = []
         try:
             for rid, text, ids, resolved, core_requests in processed:
@@ -162,9 +201,14 @@ class AsyncLLM:
             for stream in streams:
                 stream.close()
             raise
+        self.start_output_handler()
+        return streams
+
+    def start_output_handler(self) -> None:
+        """Start receiving the core's outputs, and watching it, in the running event loop (idempotent). A
+        server calls it at start-up, so that a core that dies while idle is restarted too."""
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
-        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its KV blocks are freed in the core."""
@@ -176,35 +220,92 @@ class AsyncLLM:
                 self.stat_logger.forget(request_id)
 
     async def _handle_outputs(self) -> None:
-        """Receive core outputs forever; when the core dies (or this task fails), mark the engine dead and
-        fail every request in flight, so that no client waits forever."""
-        try:
-            while True:
-                message = await self.client.get_outputs()
-                outputs, to_abort = self.output_processor.process_outputs(message.outputs)
-                if to_abort:
-                    self.client.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
-                if message.error:
-                    logger.error("engine core: %s", message.error)
-                for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is None:
-                        continue
-                    failed = any(c.finish_reason == "abort" for c in output.outputs)
-                    stream.put(output, message.error if failed else None)
-                    if output.finished:
-                        del self._streams[output.request_id]
-                if self.stat_logger is not None:
-                    self.stat_logger.record(outputs, message.stats)
-        except Exception as e:  # the core died, or a bug here: either way no output will come
-            if not isinstance(e, EngineDeadError):
-                logger.exception("output handler failed")
-            self.dead_error = str(e) or type(e).__name__
-            logger.error("engine stopped (%s); failing %d request(s) in flight", self.dead_error,
-                         len(self._streams))
-            for stream in self._streams.values():
-                stream.fail(self.dead_error)
-            self._streams.clear()
+        """Receive core outputs until the core dies; then fail every request in flight and restart the core,
+        or give up (see the module docs)."""
+        while True:
+            try:
+                await self._receive_outputs()
+            except Exception as e:  # the core died, or a bug here: either way no output will come
+                if not isinstance(e, EngineDeadError):
+                    logger.exception("output handler failed")
+                self._engine_core_died(str(e) or type(e).__name__)
+            if not await self._restart():
+                if self._on_engine_dead is not None:
+                    self._on_engine_dead(self.dead_error or "engine core died")
+                return
+
+    async def _receive_outputs(self) -> None:
+        """Apply the core's outputs as they come, forever.
+
+        Raises:
+            EngineDeadError: the core process has exited.
+        """
+        while True:
+            message = await self.client.get_outputs()
+            outputs, to_abort = self.output_processor.process_outputs(message.outputs)
+            if to_abort:
+                self.client.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+            if message.error:
+                logger.error("engine core: %s", message.error)
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                failed = any(c.finish_reason == "abort" for c in output.outputs)
+                stream.put(output, message.error if failed else None)
+                if output.finished:
+                    del self._streams[output.request_id]
+            if self.stat_logger is not None:
+                self.stat_logger.record(outputs, message.stats)
+
+    def _engine_core_died(self, error: str) -> None:
+        """Mark the engine dead, fail every request in flight, stop what is left of the core, reset gauges."""
+        self.dead_error = error
+        logger.error("engine core stopped (%s); failing %d request(s) in flight", error, len(self._streams))
+        for request_id, stream in self._streams.items():
+            stream.fail(error)
+            self.output_processor.abort_request(request_id)
+        self._streams.clear()
+        self.client.shutdown()
+        if self.stat_logger is not None:
+            self.stat_logger.engine_core_died()
+
+    async def _restart(self) -> bool:
+        """Start new engine cores, with backoff, until one loads or the restarts in a row are used up.
+
+        Returns:
+            whether a core is running again (else ``dead_error`` says why not).
+        """
+        cause = self.dead_error
+        if time.monotonic() - self._ready_time >= _STABLE_S:
+            self._restarts_in_row = 0
+        limit = self.max_engine_core_restarts
+        while self._restarts_in_row < limit:
+            self._restarts_in_row += 1
+            attempt = self._restarts_in_row
+            delay = min(_RESTART_BACKOFF_S * 2 ** (attempt - 1), _MAX_RESTART_BACKOFF_S)
+            self.dead_error = f"the engine core is restarting (attempt {attempt} of {limit}); retry in a few seconds"
+            logger.warning("engine core died (%s); restarting it in %.0f s (attempt %d of %d)", cause, delay,
+                           attempt, limit)
+            await asyncio.sleep(delay)
+            try:
+                client = await EngineCoreClient.start(self.config)
+            except EngineDeadError as e:
+                cause = str(e)
+                logger.error("engine core restart failed: %s", cause)
+                continue
+            self.client = client
+            self.num_restarts += 1
+            self._ready_time = time.monotonic()
+            self.dead_error = None
+            if self.stat_logger is not None:
+                self.stat_logger.engine_core_restarted()
+            logger.warning("engine core restarted (%d restart(s) since start-up)", self.num_restarts)
+            return True
+        self.dead_error = f"the engine core died and is not restarted ({cause})" if limit == 0 else \
+            f"the engine core died and {limit} restart(s) in a row did not keep it up ({cause})"
+        logger.error("%s", self.dead_error)
+        return False
 
     def shutdown(self) -> None:
         """Stop the output task, the tokenizer thread and the engine-core process. Idempotent."""

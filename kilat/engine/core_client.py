@@ -4,10 +4,13 @@ The core runs :func:`kilat.core.core_process.run_engine_core` in a ``spawn``-ed 
 inherited from the API process). Two ZMQ PUSH/PULL pairs over IPC sockets in a private temporary
 directory carry pickled messages. Sends never block: there is no high-water mark, and a send that finds no
 peer (the core has exited) fails at once instead of waiting, so the API process never waits on the model.
+A client drives one core process: :class:`~kilat.engine.async_llm.AsyncLLM` starts a new client (with
+:meth:`EngineCoreClient.start`) to restart a core that died.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -44,12 +47,16 @@ class EngineCoreClient:
     Args:
         config: validated engine configuration.
         ready_timeout_s: most seconds to wait for the model to load.
+        wait: wait here for the model to load (``False``: :meth:`start` waits, and sets ``ready``).
+
+    Attributes:
+        ready: what the core sent once its model was loaded (``None`` until then).
 
     Raises:
         EngineDeadError: the process failed to load the model (its error is in the message) or timed out.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0):
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0, wait: bool = True):
         self._dir = tempfile.mkdtemp(prefix="kilat-")
         input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
@@ -64,20 +71,39 @@ class EngineCoreClient:
             target=run_engine_core, args=(config, input_address, output_address),
             name="kilat-engine-core", daemon=True)
         self.process.start()
+        self.ready: EngineCoreReady | None = None
+        if wait:
+            try:
+                self.ready = self._wait_ready(ready_timeout_s)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    @classmethod
+    async def start(cls, config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineCoreClient:
+        """Start a core process and wait for its model to load without blocking the event loop; a cancelled
+        wait stops the process.
+
+        Raises:
+            EngineDeadError: as the constructor.
+        """
+        client = cls(config, ready_timeout_s, wait=False)
         try:
-            self.ready = self._wait_ready(ready_timeout_s)
+            message = await asyncio.wait_for(client._next_message(), ready_timeout_s)
+            client.ready = _as_ready(message)
+        except TimeoutError:
+            client.shutdown()
+            raise EngineDeadError(f"engine core did not load the model within {ready_timeout_s:.0f} s") from None
         except BaseException:
-            self.shutdown()
+            client.shutdown()
             raise
+        return client
 
     def _wait_ready(self, timeout_s: float) -> EngineCoreReady:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._output.poll(200):
-                message = pickle.loads(self._output.recv())
-                if isinstance(message, EngineCoreReady):
-                    return message
-                raise EngineDeadError(f"engine core failed to start: {message.error}")
+                return _as_ready(pickle.loads(self._output.recv()))
             if not self.process.is_alive():
                 raise EngineDeadError(f"engine core exited with code {self.process.exitcode} while loading")
         raise EngineDeadError(f"engine core did not load the model within {timeout_s:.0f} s")
@@ -115,6 +141,14 @@ class EngineCoreClient:
         Raises:
             EngineDeadError: the core process has exited.
         """
+        return await self._next_message(poll_s)
+
+    async def _next_message(self, poll_s: float = 1.0) -> Any:
+        """Wait for the core's next message, checking every ``poll_s`` seconds that it is alive.
+
+        Raises:
+            EngineDeadError: the core process has exited.
+        """
         if self._async_output is None:
             self._async_output = zmq.asyncio.Socket.from_socket(self._output)
         while True:
@@ -139,3 +173,14 @@ class EngineCoreClient:
         if not self._ctx.closed:
             self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _as_ready(message: EngineCoreReady | EngineCoreOutputs) -> EngineCoreReady:
+    """The core's first message, which is :class:`EngineCoreReady` unless loading failed.
+
+    Raises:
+        EngineDeadError: loading failed (the core's error is in the message).
+    """
+    if isinstance(message, EngineCoreReady):
+        return message
+    raise EngineDeadError(f"engine core failed to start: {message.error}")

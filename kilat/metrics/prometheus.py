@@ -3,14 +3,17 @@
 Histograms are observed in the API process: TTFT, TPOT, E2E latency, queue, prefill and decode time when a
 request finishes (from the engine core's timestamps), and inter-token latency as output tokens arrive.
 Counters (speculative decoding ones included) and gauges are read from the engine core's latest
-:class:`~kilat.metrics.stats.EngineStats` at scrape time. Each logger has its own registry, so several
-servers can live in one process (tests).
+:class:`~kilat.metrics.stats.EngineStats` at scrape time. When the core dies its counters are kept (a restarted
+core counts on from them) and its gauges drop to 0; ``kilat:engine_core_restarts_total`` counts the restarts.
+Each logger has its own registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
+from itertools import zip_longest
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,7 +33,7 @@ class _EngineStatsCollector:
         self.logger = logger
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.logger.stats
+        stats = _add_stats(self.logger.dead_cores_stats, self.logger.stats)
         for name, doc, value in (
                 ("kilat:prompt_tokens", "Prompt tokens of requests that produced a token.",
                  stats.num_prompt_tokens),
@@ -47,6 +50,8 @@ class _EngineStatsCollector:
             finished.add_metric([reason], stats.finished_by_reason.get(reason, 0))
         yield finished
         yield from _spec_decode_metrics(stats.spec_decode)
+        yield CounterMetricFamily("kilat:engine_core_restarts", "Engine-core processes started after one died.",
+                                  value=self.logger.engine_core_restarts)
         last = stats.last_step
         for name, doc, value in (
                 ("kilat:num_requests_running", "Requests running in the engine.", last.num_running),
@@ -73,12 +78,33 @@ def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
     yield per_pos
 
 
+def _add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
+    """The counters of two cores summed (gauges: ``b``'s)."""
+    spec_a, spec_b = a.spec_decode, b.spec_decode
+    spec = SpecDecodeStats(
+        **{f.name: getattr(spec_a, f.name) + getattr(spec_b, f.name) for f in dataclasses.fields(SpecDecodeStats)
+           if f.name != "num_accepted_tokens_per_pos"},
+        num_accepted_tokens_per_pos=[x + y for x, y in zip_longest(
+            spec_a.num_accepted_tokens_per_pos, spec_b.num_accepted_tokens_per_pos, fillvalue=0)])
+    counts = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(EngineStats)
+              if f.name not in ("spec_decode", "last_step")}
+    return EngineStats(**counts, spec_decode=spec, last_step=b.last_step)
+
+
 class PrometheusStatLogger:
-    """Collects the served engine's metrics; implements :class:`~kilat.engine.async_llm.StatLogger`."""
+    """Collects the served engine's metrics; implements :class:`~kilat.engine.async_llm.StatLogger`.
+
+    Attributes:
+        stats: the running engine core's latest stats (empty while none runs).
+        dead_cores_stats: the counters of the engine cores that died, added to ``stats``'s when exported.
+        engine_core_restarts: engine cores started after one died.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.stats = EngineStats()
+        self.dead_cores_stats = EngineStats()
+        self.engine_core_restarts = 0
         self._last_token: dict[str, tuple[float, int]] = {}
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -127,6 +153,17 @@ class PrometheusStatLogger:
     def forget(self, request_id: str) -> None:
         """Drop the state of an aborted request."""
         self._last_token.pop(request_id, None)
+
+    def engine_core_died(self) -> None:
+        """Keep the dead core's counters, drop its gauges (running, waiting, KV-cache usage go to 0) and the
+        state of its requests."""
+        self.dead_cores_stats = _add_stats(self.dead_cores_stats, self.stats)
+        self.stats = EngineStats()
+        self._last_token.clear()
+
+    def engine_core_restarted(self) -> None:
+        """Count a restarted engine core."""
+        self.engine_core_restarts += 1
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

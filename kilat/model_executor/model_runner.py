@@ -20,6 +20,7 @@ from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.loader import get_model
+from kilat.model_executor.loader.metadata import max_position_embeddings
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
 from kilat.outputs import PositionLogprobs
 from kilat.spec_decode.rejection import verify
@@ -53,7 +54,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(resolve_attention_backend(config.execution.attention_backend,
                                                                             self.device))
         self.fused_kernels = self.device.type == "cuda" and self.attn_backend.name == "triton"
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        model_max = max_position_embeddings(self.hf_config)
         self.max_model_len = config.model.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's "
@@ -113,7 +114,7 @@ class ModelRunner:
         if hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocab_size ({hf_config.vocab_size}) must "
                              f"equal the target's ({self.hf_config.vocab_size})")
-        draft_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+        draft_max = max_position_embeddings(hf_config)
         if draft_max < self.max_model_len:
             raise ValueError(f"speculative_config.model: the draft's max_position_embeddings ({draft_max}) must "
                              f"be >= max_model_len ({self.max_model_len})")

@@ -3,6 +3,8 @@
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/version``,
 ``/tokenize``, ``/detokenize`` and ``/metrics``. Every error is OpenAI's ``{"error": {...}}`` with a 4xx
 status for client mistakes. A client that disconnects, streaming or not, aborts its engine requests.
+
+``python -m kilat.entrypoints.openai.api_server [flags]`` is ``kilat serve [flags]`` (vLLM's command).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
-import signal
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
 import math
 import re
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,25 +27,26 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from fastapi.openapi.utils import get_openapi
 
 import kilat
 from kilat.config import EngineArgs
 from kilat.engine.async_llm import AsyncLLM
+from kilat.engine.core_client import EngineDeadError
 from kilat.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     TokenizeRequest,
 )
 from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
-    ErrorResponse,
 from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, plan_tools
 from kilat.metrics.prometheus import PrometheusStatLogger
 
@@ -68,6 +73,8 @@ class ServerConfig:
             ``None`` (then ``auto`` is refused; ``required`` and named choices work without it).
         uvicorn_log_level: uvicorn's log level.
         disable_uvicorn_access_log: do not log one line per HTTP request.
+        max_engine_core_restarts: most restarts of a dead engine core in a row before the server exits
+            non-zero; 0 exits at the first death (for a supervisor to restart the server).
 
     Raises:
         ValueError: an invalid value, named.
@@ -82,6 +89,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
+    max_engine_core_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +100,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.max_engine_core_restarts < 0:
+            raise ValueError(f"max_engine_core_restarts must be >= 0, got {self.max_engine_core_restarts}")
 
 
 def default_model_name(model: str | None) -> str:
@@ -109,18 +119,6 @@ async def _send_error(send: Send, error: APIError) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-class _GuardMiddleware:
-    """Checks the API key and the body size before the app sees a request (413 for oversized bodies,
-    whether announced by ``Content-Length`` or found while reading a chunked body), refuses non-finite JSON
-    numbers with a 400, and reads every request body as JSON whatever its ``Content-Type`` (missing,
-    ``text/plain``, or curl's form default), as the OpenAI API takes only JSON bodies."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body = max_body
-
-    def _authorized(self, header: bytes) -> bool:
 _MAYBE_NON_FINITE = re.compile(rb"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{309}")
 """Bytes without a match cannot hold a number that Python's ``json`` reads as ``inf`` or ``nan``."""
 
@@ -157,6 +155,18 @@ def _is_json(content_type: bytes) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
+class _GuardMiddleware:
+    """Checks the API key and the body size before the app sees a request (413 for oversized bodies,
+    whether announced by ``Content-Length`` or found while reading a chunked body), refuses non-finite JSON
+    numbers with a 400, and reads every request body as JSON whatever its ``Content-Type`` (missing,
+    ``text/plain``, or curl's form default), as the OpenAI API takes only JSON bodies."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body
+
+    def _authorized(self, header: bytes) -> bool:
         """``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235)."""
         scheme, _, key = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key or b"")
@@ -188,6 +198,14 @@ def _is_json(content_type: bytes) -> bool:
             if len(body) > self.max_body:
                 await _send_error(send, too_large)
                 return
+        if body:
+            error = _non_finite_number(bytes(body))
+            if error is not None:
+                await _send_error(send, error)
+                return
+        if body and not _is_json(headers.get(b"content-type", b"")):
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         replayed = False
 
         async def replay() -> Message:
@@ -198,14 +216,6 @@ def _is_json(content_type: bytes) -> bool:
             return await receive()
 
         await self.app(scope, replay, send)
-        if body:
-            error = _non_finite_number(bytes(body))
-            if error is not None:
-                await _send_error(send, error)
-                return
-        if body and not _is_json(headers.get(b"content-type", b"")):
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                     + [(b"content-type", b"application/json")]}
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -261,16 +271,6 @@ async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) 
     return JSONResponse(result)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
-    """The FastAPI application serving ``engine``; its shutdown stops the engine-core process."""
-    names = config.served_model_name or [default_model_name(engine.config.model.model)]
-    completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template, config.tool_call_parser)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        engine.shutdown()
 _ERROR_DESCRIPTIONS = {400: "Invalid request: the message names the field and its limit",
                        401: "Missing or invalid API key", 404: "Unknown model", 413: "Request body too large",
                        500: "Internal error", 503: "The engine is not running"}
@@ -295,8 +295,21 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
+    """The FastAPI application serving ``engine``; its shutdown stops the engine-core process."""
+    names = config.served_model_name or [default_model_name(engine.config.model.model)]
+    completions = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template, config.tool_call_parser)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start_output_handler()  # watches the core from the start, so an idle core's death is seen
+        yield
+        await chat.close()  # a stuck request-template render must not outlive the server
+        engine.shutdown()
 
     app = FastAPI(title="kilat", version=kilat.__version__, lifespan=lifespan)
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body=config.max_request_body_bytes)
 
     @app.exception_handler(APIError)
@@ -305,11 +318,9 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        await chat.close()  # a stuck request-template render must not outlive the server
         problems = []
         param = None
         for err in e.errors():
-    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
             if err.get("type") == "json_invalid":
                 problems.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
                 continue
@@ -387,13 +398,45 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
-    """Start the engine-core process, then serve HTTP until SIGINT or SIGTERM; both processes exit.
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (IPv6 when ``host`` has a colon), created before the model
+    loads so that a port in use fails at once.
 
     Raises:
-        ValueError: an invalid engine argument or model path, or ``skip_tokenizer_init`` (the OpenAI API
-            takes text).
-        kilat.engine.core_client.EngineDeadError: the model failed to load.
+        ValueError: the address cannot be bound (in use, not local, no permission), naming host and port.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}") from e
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that says where it serves once it really accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, message: str):
+        super().__init__(config)
+        self.message = message
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            logger.info("%s", self.message)
+
+
+def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
+    """Listen on the port, start the engine-core process, then serve HTTP until SIGINT or SIGTERM; both
+    processes exit.
+
+    The port is bound before the model loads (a port in use fails at once). A dead engine core is restarted
+    (``config.max_engine_core_restarts``); when it will not be, the server stops and this raises.
+
+    Raises:
+        ValueError: an invalid engine argument or model path, a port that cannot be bound, or
+            ``skip_tokenizer_init`` (the OpenAI API takes text).
+        kilat.engine.core_client.EngineDeadError: the model failed to load, or the engine core died and was
+            not restarted.
     """
     if engine_args.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: kilat serve needs a tokenizer (the OpenAI API takes and returns "
@@ -402,12 +445,30 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
     # SIGTERM must unwind (and so stop the engine core), not kill outright: while the model loads, and when
     # uvicorn re-raises it after its graceful shutdown.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    engine = AsyncLLM(engine_args, stat_logger)
-    try:
-        app = build_app(engine, config, stat_logger)
-        logger.info("serving %s on http://%s:%d", config.served_model_name or
-                    default_model_name(engine_args.model), config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                    access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()
+    with bind_socket(config.host, config.port) as sock:
+        server: _Server | None = None
+
+        def stop_serving(_: str) -> None:
+            if server is not None:
+                server.should_exit = True
+
+        engine = AsyncLLM(engine_args, stat_logger, config.max_engine_core_restarts, on_engine_dead=stop_serving)
+        try:
+            app = build_app(engine, config, stat_logger)
+            host, port = sock.getsockname()[:2]
+            server = _Server(uvicorn.Config(app, log_level=config.uvicorn_log_level,
+                                            access_log=not config.disable_uvicorn_access_log,
+                                            timeout_graceful_shutdown=5),
+                             f"serving {config.served_model_name or default_model_name(engine_args.model)} on "
+                             f"http://{host}:{port}")
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
+    if engine.dead_error is not None:
+        raise EngineDeadError(engine.dead_error)
+
+
+if __name__ == "__main__":
+    from kilat.entrypoints.cli import main
+
+    main(["serve", *sys.argv[1:]])
