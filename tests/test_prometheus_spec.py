@@ -44,3 +44,31 @@ def test_bench_reads_the_rendered_counters() -> None:
         "spec_decode_acceptance_rate": pytest.approx(7 / 12), "spec_decode_mean_acceptance_length": 11 / 4,
         "spec_decode_acceptance_per_pos": [1.0, 0.75, 0.0]}
     assert spec_decode_metrics(before, before)["spec_decode_acceptance_rate"] is None
+
+
+def test_dead_engine_core_keeps_counters_and_zeroes_gauges() -> None:
+    """A restarted core counts from 0: its counters are added to the dead one's; the gauges are its own."""
+    from collections import Counter
+
+    from kilat.metrics.stats import StepStats
+
+    logger = PrometheusStatLogger()
+    logger.record([], EngineStats(num_prompt_tokens=5, finished_by_reason=Counter(stop=2), spec_decode=SPEC,
+                                  last_step=StepStats(num_running=2, num_waiting=1, kv_cache_usage=0.5)))
+    logger.engine_core_died()
+    samples = parse_samples(logger.render().decode())
+    assert (samples["kilat:num_requests_running"], samples["kilat:num_requests_waiting"],
+            samples["kilat:kv_cache_usage_perc"], samples["kilat:prompt_tokens_total"],
+            samples["kilat:engine_core_restarts_total"]) == (0, 0, 0, 5, 0)
+    logger.engine_core_restarted()
+    logger.record([], EngineStats(num_prompt_tokens=3, finished_by_reason=Counter(stop=1, length=1),
+                                  spec_decode=SpecDecodeStats(1, 4, 4, 5, [1, 1, 1, 1]),
+                                  last_step=StepStats(num_running=1)))
+    samples = parse_samples(logger.render().decode())
+    assert samples["kilat:prompt_tokens_total"] == 8
+    assert samples['kilat:request_success_total{finished_reason="stop"}'] == 3
+    assert samples['kilat:request_success_total{finished_reason="length"}'] == 1
+    assert samples["kilat:spec_decode_num_draft_tokens_total"] == 16
+    assert [samples[f'kilat:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(4)] == [
+        5, 4, 1, 1]
+    assert (samples["kilat:num_requests_running"], samples["kilat:engine_core_restarts_total"]) == (1, 1)

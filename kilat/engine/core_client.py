@@ -158,13 +158,15 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine core exited with code {self.process.exitcode}")
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the core to exit, then terminate (and at last kill) it; close the sockets. Idempotent."""
-        if self.process.is_alive():
+        """Ask the core to exit (a core still loading reads no messages: it gets SIGTERM at once), then
+        terminate (and at last kill) it; close the sockets. Idempotent."""
+        if self.process.is_alive() and self.ready is not None:
             with contextlib.suppress(EngineDeadError):
                 self._send(Shutdown())
             self.process.join(timeout_s)
         if self.process.is_alive():
-            logger.warning("engine core did not exit; terminating it")
+            if self.ready is not None:
+                logger.warning("engine core did not exit; terminating it")
             self.process.terminate()
             self.process.join(timeout_s)
         if self.process.is_alive():
