@@ -10,7 +10,7 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import requests
@@ -87,9 +87,12 @@ def test_constraints_at_the_limits_are_accepted() -> None:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", max_model_len=512,
-               structured_outputs_config={"compile_timeout_s": TIMEOUT_S, "cache_size_mb": 1})
+def llm() -> Iterator[LLM]:
+    llm = LLM(dtype="float32", max_model_len=512,
+              structured_outputs_config={"compile_timeout_s": TIMEOUT_S, "cache_size_mb": 1})
+    yield llm
+    llm.engine.core.structured_outputs.shutdown()
+    assert _worker_pids() == []
 
 
 def _worker_pids() -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -78,8 +79,11 @@ ARITHMETIC = 'root ::= number op number\nop ::= "+" | "-" | "*"\nnumber ::= [1-9
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", max_model_len=1024)
+def llm() -> Iterator[LLM]:
+    llm = LLM(dtype="float32", max_model_len=1024)
+    yield llm
+    if llm.engine.core.structured_outputs is not None:
+        llm.engine.core.structured_outputs.shutdown()  # its compile workers would outlive the module
 
 
 def chat(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingParams) -> list:

@@ -226,6 +226,8 @@ class StructuredOutputManager:
         self._queue: deque[_Job] = deque()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._slots: list[threading.Thread] = []
+        self._workers: set[_Worker] = set()  # started, not yet closed
+        self._closed = False
         self._idle_slots = 0  # slots waiting for a job (a new slot, and its worker, starts only when none is)
         self.wakeup_fd, self._wakeup_write = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
@@ -247,6 +249,10 @@ class StructuredOutputManager:
         """Start compiling ``params``'s grammar (or join the compile in flight, or take it from the cache);
         returns at once."""
         with self._lock:
+            if self._closed:
+                job = _Job(params)
+                job.state, job.error = _JobState.DONE, "structured_outputs: the grammar compiler was shut down"
+                return GrammarState(self, job)
             compiled = self.cache.get(params.key)
             if compiled is not None:
                 return GrammarState(self, _Job.done(params, compiled))
@@ -309,13 +315,15 @@ class StructuredOutputManager:
         while True:
             with self._lock:
                 self._idle_slots += 1
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._lock.wait()
                 self._idle_slots -= 1
+                if self._closed:
+                    break
                 job = self._queue.popleft()
                 job.state = _JobState.PROBING
             if worker is not None and worker.process.poll() is not None:  # killed after its last answer
-                worker.close()
+                self._close_worker(worker)
                 worker = None
             try:
                 self._prepare()
@@ -325,14 +333,15 @@ class StructuredOutputManager:
                     self._finish(job, f"structured_outputs: cannot start the grammar compiler: {e}")
                 continue
             with self._lock:
-                if job.subscribers == 0:  # cancelled while the worker started
+                self._workers.add(worker)
+                if job.subscribers == 0 or self._closed:  # cancelled while the worker started
                     self._finish(job, "structured_outputs: cancelled")
                     continue
                 job.worker = worker
             answer = self._probe(worker, job)
             if answer is None:  # out of time, killed (cancelled) or crashed: the process is gone or must go
                 error = self._failure(job, worker)
-                worker.close()
+                self._close_worker(worker)
                 worker = None
                 with self._lock:
                     self._finish(job, error)
@@ -349,6 +358,28 @@ class StructuredOutputManager:
                 compiled, error = None, f"structured_outputs: grammar compilation failed: {e}"
             with self._lock:
                 self._finish(job, error, compiled)
+        if worker is not None:
+            self._close_worker(worker)
+
+    def _close_worker(self, worker: _Worker) -> None:
+        with self._lock:
+            self._workers.discard(worker)
+        worker.close()
+
+    def shutdown(self) -> None:
+        """Stop the compile slots and kill their worker processes (compiles in flight fail as cancelled).
+        The engine core process needs no call: its workers exit with it."""
+        with self._lock:
+            self._closed = True
+            for job in self._queue:
+                job.subscribers = 0
+                self._finish(job, "structured_outputs: cancelled")
+            self._queue.clear()
+            for worker in self._workers:
+                worker.kill()
+            self._lock.notify_all()
+        for slot in self._slots:
+            slot.join()
 
     def _probe(self, worker: _Worker, job: _Job) -> dict[str, Any] | None:
         """Compile ``job`` in ``worker``; its answer, or ``None`` when it ran out of time or the process ended."""

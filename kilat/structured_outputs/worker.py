@@ -5,7 +5,7 @@ Run as ``python -m kilat.structured_outputs.worker``. Messages on stdin and stdo
 (:func:`send`, :func:`receive`). The first message in is the tokenizer (``TokenizerInfo.serialize_json``);
 the worker answers ``{"ready": true}``. Then each message in is a ``StructuredOutputsParams`` as a dict, and
 each answer ``{"seconds": compile time}`` or ``{"error": xgrammar's message}``. The worker exits when stdin
-closes (its engine core is gone).
+closes or its parent (the engine core) is gone, within a second even in the middle of a compile.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 from typing import IO, Any
 
@@ -45,8 +46,18 @@ def params_message(params: StructuredOutputsParams) -> dict[str, Any]:
     return dataclasses.asdict(params)
 
 
+def _exit_with_parent() -> None:
+    """End this process as soon as its engine core is gone, even in the middle of a compile."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def main() -> None:
-    """Serve compile requests until stdin closes (the module docstring gives the protocol)."""
+    """Serve compile requests until stdin closes or the engine core dies (the module docstring gives the
+    protocol)."""
+    threading.Thread(target=_exit_with_parent, name="kilat-parent-watch", daemon=True).start()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints of libraries go to stderr, never into the message stream
     stdin = sys.stdin.buffer
