@@ -88,8 +88,8 @@ class SamplingParams:
         n: completions per prompt; they share the prompt's KV blocks.
         temperature: softmax temperature in [0, :data:`MAX_TEMPERATURE`]; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; 0 or -1 disables (at most the vocabulary size, checked by the
-            input processor).
+        top_k: keep the k most likely tokens; 0 or -1 disables; a k above the vocabulary size keeps every
+            token (as in vLLM).
         min_p: drop tokens whose probability is below ``min_p`` times the top probability; 0 disables.
         seed: per-request random seed; the samples then do not depend on the rest of the batch.
         presence_penalty: OpenAI presence penalty in [-2, 2], on tokens already generated.

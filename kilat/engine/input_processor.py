@@ -93,8 +93,8 @@ class InputProcessor:
 
         Raises:
             ValueError: naming the field and the limit (max_tokens vs max_model_len, unknown token ids,
-                too many logprobs, top_k above the vocabulary size, min_tokens above max_tokens, stop strings
-                without a tokenizer, an invalid structured-outputs spec).
+                too many logprobs, stop strings without a tokenizer, an invalid structured-outputs spec;
+                ``min_tokens`` above the resolved ``max_tokens`` fails in :class:`SamplingParams`).
         """
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
@@ -121,17 +121,10 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
-        if params.top_k > self.vocab_size:
-            raise ValueError(f"top_k must be <= the vocabulary size ({self.vocab_size}), or -1/0 to disable it; "
-                             f"got {params.top_k}")
-        max_tokens = params.max_tokens or room
-        if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens}, what fits in "
-                             f"max_model_len ({self.max_model_len}) after the prompt)")
         stop_ids = params.stop_token_ids
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = sorted(set(stop_ids) | self.extra_eos_token_ids)
-        return replace(params, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        return replace(params, max_tokens=params.max_tokens or room, stop_token_ids=stop_ids)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 add_special_tokens: bool = True,
