@@ -3,6 +3,7 @@ logprobs, aborts, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -107,6 +108,33 @@ def test_abort_frees_blocks(llm):
     engine.abort_request(["abort-0", "abort-2"])
     assert_all_free(llm)
     assert engine.stats.finished_by_reason["abort"] >= 4
+
+
+def test_add_abort_cycles_leave_no_per_request_state(llm):
+    """Disconnect storms (issue 13, point 12): after many add + abort cycles, every per-request map of the
+    engine is empty and no request object stays alive."""
+    from kilat.core.request import Request
+    from kilat.engine.output_processor import _RequestState
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, Request | _RequestState) for o in gc.get_objects())
+
+    engine = llm.engine
+    before = alive()
+    for cycle in range(20):
+        ids = [f"storm-{cycle}-{i}" for i in range(6)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, list(range(20 + cycle + i, 60 + i)), SamplingParams(max_tokens=40, n=1 + i % 2))
+        for _ in range(cycle % 4):  # aborted while waiting, mid-prefill and while decoding
+            engine.step()
+        engine.abort_request(ids)
+    assert_all_free(llm)
+    core, kv = engine.core, engine.core.kv
+    assert not core.scheduler.requests and not core.scheduler.waiting and not core.scheduler.running
+    assert not kv._req_hashes and not kv._num_cached_blocks
+    assert not engine.output_processor._states and not engine.output_processor._core_to_parent
+    assert alive() == before
 
 
 @pytest.mark.parametrize(("prompt", "params", "field"), [
