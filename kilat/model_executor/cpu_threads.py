@@ -15,6 +15,7 @@ runs when the model has produced something for it.
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import multiprocessing
 import os
@@ -22,6 +23,8 @@ import time
 from collections import deque
 
 import torch
+
+logger = logging.getLogger("kilat")
 
 HOLD_CORES = 0.4
 """Foreign CPU load (in cores) that counts as holding a core. A process spinning on one core gets only
@@ -143,6 +146,8 @@ class ThreadGovernor:
         held = min(self._held) if len(self._held) == SUSTAIN_INTERVALS else 0
         wanted = max(1, self.max_threads - held)
         if wanted != self.num_threads:
+            logger.info("CPU threads %d -> %d (processes outside kilat used %.2f cores over the last %.1f s)",
+                        self.num_threads, wanted, foreign, now - last_t)
             self.num_threads = wanted
             torch.set_num_threads(wanted)
         return self.num_threads
