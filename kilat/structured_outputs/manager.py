@@ -173,8 +173,10 @@ class _Worker:
 
     def __init__(self, tokenizer_json: str):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "kilat.structured_outputs.worker"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # this process's sys.path, as multiprocessing does: the same kilat, whatever the working directory
+        code = f"import sys; sys.path[:] = {sys.path!r}; from kilat.structured_outputs.worker import main; main()"
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env)
         try:
             worker_protocol.send(self.process.stdin, tokenizer_json)
             if self.receive(_WORKER_START_TIMEOUT_S) != {"ready": True}:

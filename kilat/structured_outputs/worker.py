@@ -1,11 +1,12 @@
 """A grammar compile worker: a child process of the engine core that compiles constraints on request, so that
 a compile can be stopped (the process killed) when its request goes away or it runs past its time limit.
 
-Run as ``python -m kilat.structured_outputs.worker``. Messages on stdin and stdout are length-prefixed JSON
-(:func:`send`, :func:`receive`). The first message in is the tokenizer (``TokenizerInfo.serialize_json``);
-the worker answers ``{"ready": true}``. Then each message in is a ``StructuredOutputsParams`` as a dict, and
-each answer ``{"seconds": compile time}`` or ``{"error": xgrammar's message}``. The worker exits when stdin
-closes or its parent (the engine core) is gone, within a second even in the middle of a compile.
+Started by :class:`~kilat.structured_outputs.manager.StructuredOutputManager`, which runs :func:`main`.
+Messages on stdin and stdout are length-prefixed JSON (:func:`send`, :func:`receive`). The first message in
+is the tokenizer (``TokenizerInfo.serialize_json``); the worker answers ``{"ready": true}``. Then each
+message in is a ``StructuredOutputsParams`` as a dict, and each answer ``{"seconds": compile time}`` or
+``{"error": xgrammar's message}``. The worker exits when stdin closes or its parent (the engine core) is
+gone, within a second even in the middle of a compile.
 """
 
 from __future__ import annotations
@@ -79,6 +80,3 @@ def main() -> None:
         except Exception as e:  # xgrammar's own errors (RuntimeError, ValueError) go back to the engine core
             send(out, {"error": str(e)})
 
-
-if __name__ == "__main__":
-    main()
