@@ -87,8 +87,8 @@ class ChatTemplateWorker:
                                  f"a request's chat template)") from e
             except (OSError, EOFError, asyncio.IncompleteReadError) as e:
                 await self.close()
-                raise ValueError("chat_template: the renderer process failed (it ran out of memory: the limit "
-                                 f"is {self.memory_limit_bytes >> 20} MiB)") from e
+                raise ValueError("chat_template: the renderer process died while rendering (likely out of "
+                                 f"memory: the limit is {self.memory_limit_bytes >> 20} MiB)") from e
             except BaseException:  # cancelled mid-render: the reply would answer the next job
                 self._kill()
                 raise
