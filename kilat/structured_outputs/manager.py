@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,18 +168,21 @@ class GrammarCache:
 class _Worker:
     """A compile process (:mod:`kilat.structured_outputs.worker`), started and ready.
 
+    Args:
+        tokenizer_json: returns the serialized ``TokenizerInfo`` (called while the process imports xgrammar).
+
     Raises:
         RuntimeError: it exited or did not start within ``_WORKER_START_TIMEOUT_S``.
     """
 
-    def __init__(self, tokenizer_json: str):
+    def __init__(self, tokenizer_json: Callable[[], str]):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # this process's sys.path, as multiprocessing does: the same kilat, whatever the working directory
         code = f"import sys; sys.path[:] = {sys.path!r}; from kilat.structured_outputs.worker import main; main()"
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env)
         try:
-            worker_protocol.send(self.process.stdin, tokenizer_json)
+            worker_protocol.send(self.process.stdin, tokenizer_json())
             if self.receive(_WORKER_START_TIMEOUT_S) != {"ready": True}:
                 raise RuntimeError("the grammar compile worker failed to start")
         except BaseException:
@@ -302,13 +306,14 @@ class StructuredOutputManager:
         with contextlib.suppress(BlockingIOError):  # a full pipe of unread wake-ups wakes the core anyway
             os.write(self._wakeup_write, b"\0")
 
-    def _prepare(self) -> None:
-        """Load the tokenizer once (in a slot's thread, off the engine step)."""
+    def _prepare(self) -> str:
+        """Load the tokenizer once (in a slot's thread, off the engine step); return it serialized."""
         with self._prepare_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer_loader(), vocab_size=self.vocab_size)
                 self._tokenizer_json = info.serialize_json()
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._tokenizer_json
 
     def _serve(self) -> None:
         """A slot: take queued compiles one at a time; check each in this slot's worker process under the time
@@ -328,8 +333,7 @@ class StructuredOutputManager:
                 self._close_worker(worker)
                 worker = None
             try:
-                self._prepare()
-                worker = worker or _Worker(self._tokenizer_json)
+                worker = worker or _Worker(self._prepare)
             except Exception as e:
                 with self._lock:
                     self._finish(job, f"structured_outputs: cannot start the grammar compiler: {e}")
