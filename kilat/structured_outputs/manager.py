@@ -18,6 +18,10 @@ compiles it again here (the same work, so it ends in about the time measured, an
 10-20 ms). Results are kept in an LRU cache bounded by ``cache_size_mb`` (xgrammar's
 ``CompiledGrammar.memory_size_bytes``), so a cached constraint is ready at once and equal constraints in
 flight share one compile.
+
+The price, measured on a loaded 2-core machine: a worker starts on its slot's first compile (Python, torch and
+xgrammar imports: the first constrained request took 9.7 s against 3.2 s with threads) and holds about 200 MB
+of private memory; a cache miss compiles twice.
 """
 
 from __future__ import annotations
