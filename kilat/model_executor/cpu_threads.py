@@ -8,8 +8,8 @@ machine: 30.6 tokens/s with 2 threads on a quiet machine, 9.6 while another proc
 Why kilat's own processes do not count (docs/benchmarks.md, "Thread policy when served"): when served, the
 engine core's parent (the API process: HTTP, SSE, detokenization) is busy whenever the core is. The first
 governor counted it, and the client, as other load and ran one thread: W6 at concurrency 16 gave 88 output
-tokens/s against 201 with ``--num-threads 2``. Their cores are not held against kilat; the API process only
-runs when the model has produced something for it.
+tokens/s against 201 with ``--num-threads 2``. The API process's work is the engine's own output, and a light
+client's load stays under :data:`HOLD_CORES`: neither holds a core against kilat.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ logger = logging.getLogger("kilat")
 
 HOLD_CORES = 0.4
 """Foreign CPU load (in cores) that counts as holding a core. A process spinning on one core gets only
-``n / (n + 1)`` of a core (½ on 2 cores) while kilat's ``n`` threads compete with it, and less while the API
-process runs too, so the threshold must lie below ½ to notice it at all. A light loopback client stays
+``n / (n + 1)`` of a core (⅔ on 2 cores) while kilat's ``n`` threads compete with it, and ½ on 2 cores while
+the API process runs too, so the threshold must lie below ½ to notice it at all. A light loopback client stays
 below it (``benchmarks/thread_policy.py`` records the client's CPU use next to the throughput)."""
 
 SUSTAIN_INTERVALS = 3
