@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -194,6 +195,28 @@ def test_the_engine_core_sleeps_while_a_grammar_compiles_and_reports_the_time_li
     out = llm.generate(["Pick:"], SamplingParams(temperature=0, max_tokens=16,
                                                  structured_outputs=_choice(2, "after")), use_tqdm=False)[0]
     assert out.outputs[0].text in _choice(2, "after").choice
+
+
+def test_a_crashed_compile_worker_fails_its_request_and_is_replaced(llm: LLM) -> None:
+    manager = llm.engine.core._structured_outputs()
+    deadline = time.monotonic() + 120
+    state = manager.submit(_choice(2, "warm"))  # a worker that has started
+    while not state.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = manager.submit(StructuredOutputsParams(regex=SLOW_REGEX + "v"))
+    while manager.worker_pids != sorted(_worker_pids()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until no worker is starting: the slow compile's worker is compiling it
+    time.sleep(0.3)
+    assert manager.num_busy == 1 and not state.ready
+    for pid in manager.worker_pids:
+        os.kill(pid, signal.SIGKILL)
+    while not state.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.error == "structured_outputs: the grammar compile worker exited with status -9"
+    state = manager.submit(_choice(2, "again"))
+    while not state.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.ready and state.error is None
 
 
 def test_the_compile_cache_stays_under_its_bound(llm: LLM) -> None:

@@ -194,9 +194,15 @@ class _Worker:
             raise
 
     def receive(self, timeout_s: float) -> Any | None:
-        """The next answer, or ``None`` when none came within ``timeout_s`` or the process ended (killed)."""
+        """The next answer, or ``None`` when the process ended (killed or crashed).
+
+        Raises:
+            TimeoutError: no answer came within ``timeout_s``.
+        """
         ready, _, _ = select.select([self.process.stdout], [], [], max(timeout_s, 0.0))
-        return worker_protocol.receive(self.process.stdout) if ready else None
+        if not ready:
+            raise TimeoutError
+        return worker_protocol.receive(self.process.stdout)
 
     def kill(self) -> None:
         """Kill the process (a compile in progress is lost); safe from any thread while another waits on it."""
@@ -248,6 +254,12 @@ class StructuredOutputManager:
         """Compiles running now (in a worker process or in a slot's thread)."""
         with self._lock:
             return sum(job.state in (_JobState.PROBING, _JobState.COMPILING) for job in self._jobs.values())
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the compile workers that have started (and not been closed)."""
+        with self._lock:
+            return sorted(worker.process.pid for worker in self._workers)
 
     @property
     def num_queued(self) -> int:
@@ -348,13 +360,21 @@ class StructuredOutputManager:
                     self._finish(job, "structured_outputs: cancelled")
                     continue
                 job.worker = worker
-            answer = self._probe(worker, job)
+            try:
+                answer = self._probe(worker, job)
+                failure = None
+            except TimeoutError:
+                answer = None
+                failure = (f"structured_outputs: grammar compilation took longer than "
+                           f"{self.config.compile_timeout_s:g} s (structured_outputs_config.compile_timeout_s); "
+                           f"simplify the constraint")
             if answer is None:  # out of time, killed (cancelled) or crashed: the process is gone or must go
-                error = self._failure(job, worker)
                 self._close_worker(worker)
+                failure = failure or (f"structured_outputs: the grammar compile worker exited with status "
+                                      f"{worker.process.returncode}")
                 worker = None
                 with self._lock:
-                    self._finish(job, error)
+                    self._finish(job, "structured_outputs: cancelled" if job.subscribers == 0 else failure)
                 continue
             if "error" in answer:
                 with self._lock:
@@ -392,22 +412,16 @@ class StructuredOutputManager:
             slot.join()
 
     def _probe(self, worker: _Worker, job: _Job) -> dict[str, Any] | None:
-        """Compile ``job`` in ``worker``; its answer, or ``None`` when it ran out of time or the process ended."""
+        """Compile ``job`` in ``worker``; its answer, or ``None`` when the process ended (killed or crashed).
+
+        Raises:
+            TimeoutError: it ran past ``compile_timeout_s``.
+        """
         try:
             worker_protocol.send(worker.process.stdin, worker_protocol.params_message(job.params))
         except OSError:  # killed (cancelled) before the request went out
             return None
         return worker.receive(self.config.compile_timeout_s)
-
-    def _failure(self, job: _Job, worker: _Worker) -> str:
-        """The error of a compile whose worker gave no answer."""
-        if job.subscribers == 0:
-            return "structured_outputs: cancelled"
-        status = worker.process.poll()
-        if status is not None:
-            return f"structured_outputs: the grammar compile worker exited with status {status}"
-        return (f"structured_outputs: grammar compilation took longer than {self.config.compile_timeout_s:g} s "
-                f"(structured_outputs_config.compile_timeout_s); simplify the constraint")
 
 
 @dataclass
