@@ -90,7 +90,9 @@ def _family_seconds(parent: int | None) -> dict[int, float]:
     """CPU-seconds per process of kilat's own family other than this process: the process that started this
     one with :mod:`multiprocessing` (``parent``: the API process or the offline user's process) and its other
     children. Empty when this process was not started by :mod:`multiprocessing` (an in-process engine core,
-    whose threads :func:`_own_seconds` counts)."""
+    whose threads :func:`_own_seconds` counts). This process's own children (structured-output compile
+    workers) are not family: a compile holds a core for as long as it runs, which stalls the torch threads as
+    any neighbour does."""
     if parent is None:
         return {}
     me = os.getpid()
