@@ -4,8 +4,8 @@ The frontend (API process) pushes :class:`AddRequests`, :class:`AbortRequests` a
 messages; the core pushes back one :class:`EngineCoreOutputs` per loop turn that stepped or changed
 state. Messages are pickled. The core never waits on a client: it only blocks on its input socket (and on
 the grammar compiles' wake-up pipe) when it has nothing to run or only requests waiting for grammars, and a
-watcher thread ends the process within a second of the parent's death, whether
-the core is loading, busy or idle (docs/architecture.md, "Data flow (`kilat serve`)").
+watcher thread ends the process within a second of the parent's death, whether the core is loading, busy or
+idle (docs/architecture.md, "Data flow (`kilat serve`)").
 """
 
 from __future__ import annotations
