@@ -24,9 +24,11 @@ from kilat.sampling_params import StructuredOutputsParams
 from kilat.structured_outputs import limits
 from tests.server_utils import Server
 
-SLOW_REGEX = "(.{1,300}){1,300}x(.{1,300}){1,300}y(.{1,300}){1,300}"
-"""Short, but compiles for about 15 s on SmolLM2's tokenizer (nested repetitions): only the time limit stops it."""
+SLOW_REGEX = "".join(f"[a-z]{{1,{300 + i}}}" for i in range(40))
+"""600 characters that compile for about a minute on SmolLM2's tokenizer (61 s measured; 76 MB): only the time
+limit stops it."""
 TIMEOUT_S = 2.0
+SERVER_TIMEOUT_S = 5.0
 HUGE = 100_000
 
 
@@ -238,7 +240,7 @@ def test_the_compile_cache_stays_under_its_bound(llm: LLM) -> None:
 @pytest.fixture(scope="module")
 def server() -> Server:
     s = Server("--dtype", "float32", "--max-model-len", "512", "--structured-outputs-config",
-               json.dumps({"compile_timeout_s": TIMEOUT_S}))
+               json.dumps({"compile_timeout_s": SERVER_TIMEOUT_S}))
     yield s
     s.stop()
 
@@ -277,8 +279,38 @@ def test_a_compile_past_the_time_limit_fails_its_request_and_the_next_is_served(
     r = requests.post(server.url + "/v1/completions", json={
         "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": SLOW_REGEX}}, timeout=120)
     assert r.status_code == 500, r.text
-    assert "took longer than 2 s (structured_outputs_config.compile_timeout_s)" in r.json()["error"]["message"]
+    assert "took longer than 5 s (structured_outputs_config.compile_timeout_s)" in r.json()["error"]["message"]
     r = requests.post(server.url + "/v1/completions", json={
         "prompt": "Pick:", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
         timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def _workers_of(pid: int) -> set[int]:
+    """Live compile workers whose parent is ``pid``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"kilat.structured_outputs.worker" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def test_a_client_that_leaves_stops_its_compile(server: Server) -> None:
+    core = server.engine_core_pid()
+    before = _workers_of(core)
+    assert before, "the previous test left a started compile worker"
+    start = time.monotonic()
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(server.url + "/v1/completions", json={
+            "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": SLOW_REGEX + "u"}}, timeout=1.0)
+    while not before - _workers_of(core) and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    assert before - _workers_of(core), "no compile worker was stopped"
+    assert time.monotonic() - start < SERVER_TIMEOUT_S - 0.5  # killed for the leaving client, not the time limit

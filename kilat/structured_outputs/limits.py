@@ -4,8 +4,9 @@ A constraint's compile time grows with its size (and faster than linearly for lo
 10,000 choices take 2.7 s to compile on SmolLM2's tokenizer, 100,000 did not finish in minutes), so the
 front end refuses an oversized one at once with a ``ValueError`` (HTTP 400) naming the field and the limit.
 At the limits, each kind compiles in well under a second on SmolLM2's tokenizer (docs/architecture.md,
-"Structured outputs"). A small constraint can still be slow to compile (nested regex repetitions); the
-engine core's compile time limit (``StructuredOutputsConfig.compile_timeout_s``) bounds those.
+"Structured outputs"). A small constraint can still be slow to compile (a 600-character regex of 40 bounded
+repetitions, ``[a-z]{1,300}[a-z]{1,301}...``, compiles for a minute); the engine core's compile time limit
+(``StructuredOutputsConfig.compile_timeout_s``) bounds those.
 """
 
 from __future__ import annotations
