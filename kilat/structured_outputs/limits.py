@@ -1,7 +1,7 @@
 """Size limits of a structured-outputs constraint, checked in pure Python before any xgrammar work.
 
 A constraint's compile time grows with its size (and faster than linearly for long choice lists and enums:
-10,000 choices take 2.7 s to compile on SmolLM2's tokenizer, 100,000 did not finish in minutes), so the
+10,000 choices take 2.7 s to compile on SmolLM2's tokenizer, 100,000 went on for about 150 s), so the
 front end refuses an oversized one at once with a ``ValueError`` (HTTP 400) naming the field and the limit.
 At the limits, each kind compiles in well under a second on SmolLM2's tokenizer (docs/architecture.md,
 "Structured outputs"). A small constraint can still be slow to compile (a 600-character regex of 40 bounded
