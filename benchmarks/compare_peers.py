@@ -15,7 +15,7 @@ missing):
 
 Workloads (greedy, EOS ignored, streaming for the servers):
 
-- W6: the 64 chat prompts of ``shared/data/w6_chat_prompts.jsonl``, 128 output tokens, at concurrency 1
+- W6: the 64 chat prompts of ``kilat/bench/data/w6_chat_prompts.jsonl``, 128 output tokens, at concurrency 1
   and 16; output tokens/s, TTFT and TPOT.
 - W1: 64 requests of random token ids, prompt lengths U[32, 256], 128 output tokens, all at once.
 - W3: 8 groups × 8 requests sharing a 512-token prefix plus a distinct 32-token suffix, 32 output tokens,
@@ -57,13 +57,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_w1_w2 import GGUF_NAME, PAD_TOKEN_ID, hf_generate, load_hf, smollm2_dir  # noqa: E402
 
 from kilat.bench.client import BenchRequest, request_body, send_request  # noqa: E402
-from kilat.bench.datasets import jsonl_requests, random_requests, shared_prefix_requests  # noqa: E402
+from kilat.bench.datasets import W6_PROMPTS, jsonl_requests, random_requests, shared_prefix_requests  # noqa: E402
 from kilat.bench.metrics import distribution  # noqa: E402
 from kilat.bench.serve import LoadConfig, benchmark  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 PEERS_DIR = Path(os.environ.get("KILAT_PEERS_DIR", Path.home() / ".cache" / "kilat-peers"))
-W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
 VOCAB = 49152
 MODEL = "smollm2"
 

@@ -6,7 +6,7 @@
    successful completion. With ``--cold`` the GGUF-to-HF conversion cache is emptied first (a fresh
    ``KILAT_CACHE_DIR``), which is what a first run on a new machine pays.
 2. Runs ``--rounds`` rounds. In each, ``--concurrency`` clients (the official ``openai`` async client) each
-   stream one chat completion of a W6 prompt (``shared/data/w6_chat_prompts.jsonl``; ``--max-tokens``
+   stream one chat completion of a W6 prompt (``kilat/bench/data/w6_chat_prompts.jsonl``; ``--max-tokens``
    output tokens, ``ignore_eos``, temperature 0, ``stream_options.include_usage``).
 3. After each round it checks, from the server: ``/metrics`` shows no running or waiting request and a KV
    cache usage of exactly 0 (no leaked blocks), and it records the resident memory (VmRSS) of the API
@@ -42,9 +42,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from kilat.bench.datasets import W6_PROMPTS  # noqa: E402
 from tests.server_utils import Server, scrape_metrics  # noqa: E402  (the tests' server launcher)
-
-W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
 
 
 def rss_mib(pid: int) -> float:

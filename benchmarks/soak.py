@@ -5,7 +5,7 @@ Starts ``kilat serve`` (embedded SmolLM2-135M-Instruct, bf16, default flags plus
 ``--minutes`` of traffic from ``--concurrency`` loopback clients (aiohttp). Each client loops over requests
 of random kinds (weights in :data:`KINDS`):
 
-- streamed and non-streamed chat and text completions (W6 chat prompts, ``shared/data/w6_chat_prompts.jsonl``,
+- streamed and non-streamed chat and text completions (W6 chat prompts, ``kilat/bench/data/w6_chat_prompts.jsonl``,
   or their text; 8-96 output tokens);
 - ``abort``: a stream that the client closes after 1-8 chunks (a client that leaves mid-stream);
 - structured outputs: a JSON schema (``response_format``), a regex and a choice (``structured_outputs``); the
@@ -45,9 +45,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from kilat.bench.datasets import W6_PROMPTS  # noqa: E402
 from tests.server_utils import Server, scrape_metrics  # noqa: E402
 
-W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
 MODEL = "soak"
 KINDS = {"chat_stream": 4, "chat": 2, "completion_stream": 2, "completion": 1, "abort": 3, "json_schema": 1,
          "regex": 1, "choice": 1, "bad": 2}

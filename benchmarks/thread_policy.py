@@ -5,7 +5,7 @@
 Each case starts ``kilat serve`` (embedded SmolLM2-135M-Instruct, bf16, default flags plus the case's
 ``--num-threads``), optionally starts a neighbour (``python -c 'while True: pass'``, not pinned) once the
 server is healthy and ``--settle`` seconds before the load, then runs W6 chat prompts
-(``shared/data/w6_chat_prompts.jsonl``, 128 output tokens, ``ignore_eos``, greedy, streamed) with the bench
+(``kilat/bench/data/w6_chat_prompts.jsonl``, 128 output tokens, ``ignore_eos``, greedy, streamed) with the bench
 client (:func:`kilat.bench.serve.benchmark`, aiohttp): first the first ``--c16-prompts`` prompts at
 concurrency 16, then the next ``--c1-prompts`` at concurrency 1 (different prompts, so the second run never
 hits the prefix cache of the first). During each load run it records the CPU cores used by the API process,
@@ -34,12 +34,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from kilat.bench.datasets import jsonl_requests  # noqa: E402
+from kilat.bench.datasets import W6_PROMPTS, jsonl_requests  # noqa: E402
 from kilat.bench.serve import LoadConfig, benchmark  # noqa: E402
 from kilat.model_executor.cpu_threads import _busy_seconds, _own_seconds, _process_seconds  # noqa: E402
 from tests.server_utils import Server  # noqa: E402
 
-W6_PROMPTS = ROOT.parent / "shared" / "data" / "w6_chat_prompts.jsonl"
 MODEL = "smollm2"
 
 

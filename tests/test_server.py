@@ -478,6 +478,8 @@ def test_openapi_declares_the_error_responses(server: Server) -> None:
             "$ref": "#/components/schemas/ErrorResponse"}
     for path in ("/tokenize", "/detokenize"):
         assert set(schema["paths"][path]["post"]["responses"]) == {"200", "400", "401", "404", "413"}
+    health = schema["paths"]["/health"]["get"]["responses"]
+    assert set(health) == {"200", "503"} and "content" not in health["200"]  # an empty body, not JSON
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])

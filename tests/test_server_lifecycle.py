@@ -132,6 +132,10 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
                 metrics["kilat:kv_cache_usage_perc"], metrics["kilat:engine_core_restarts_total"]) == (0, 0, 0, 0)
         r = requests.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+        assert r.headers["Retry-After"] == "5"
+        r = requests.get(server.url + "/health", timeout=10)
+        assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "server_error" and r.headers["Retry-After"] == "5"
         _wait_health(server, 200, 120)
         r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4,
                                                                 "ignore_eos": True}, timeout=60)

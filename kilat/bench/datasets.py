@@ -14,6 +14,9 @@ from kilat.bench.client import BenchRequest
 
 DATASETS = ("random", "shared-prefix", "text", "jsonl")
 
+W6_PROMPTS = Path(str(resources.files("kilat.bench").joinpath("data/w6_chat_prompts.jsonl")))
+"""The 64 W6 chat prompts shipped with kilat (``docs/workloads.md``), a ``--dataset-path`` for ``jsonl``."""
+
 
 def _token_ids(rng: np.random.Generator, vocab_size: int, n: int) -> list[int]:
     """``n`` token ids drawn from ``[100, vocab_size - 100)`` (``docs/workloads.md``)."""

@@ -44,7 +44,7 @@ from kilat.entrypoints.openai.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
-from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request
+from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request, engine_unavailable
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, plan_tools
@@ -338,9 +338,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
         logger.exception("unhandled error")
         return _error_response(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
+                   responses={200: {"description": "The engine serves requests (empty body, as vLLM's)",
+                                    "content": None}, **_errors(503)})
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        if engine.is_running:
+            return Response(status_code=200)
+        return _error_response(engine_unavailable(engine.dead_error or "engine core is not running"))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -64,6 +64,25 @@ def bad_request(error: ValueError, fields: set[str]) -> APIError:
     return APIError(400, message, param=param)
 
 
+def engine_unavailable(reason: str) -> APIError:
+    """A 503 for a request the engine cannot serve now (its core died, or is restarting): clients may retry
+    after ``Retry-After`` seconds."""
+    return APIError(503, f"the engine is not running: {reason}", "server_error", headers={"Retry-After": "5"})
+
+
+_CLIENT_FAILURES = ("structured_outputs: grammar compilation",)
+"""Prefixes of the engine's error texts that blame the request itself (a constraint xgrammar refuses, or one
+that compiles for longer than ``compile_timeout_s``)."""
+
+
+def request_failed(error: str) -> APIError:
+    """The error for a request the engine ended with finish reason ``abort`` and ``error``: 400 naming
+    ``structured_outputs`` when its constraint is at fault, else 500."""
+    if error.startswith(_CLIENT_FAILURES):
+        return APIError(400, error, param="structured_outputs")
+    return APIError(500, f"the engine failed this request: {error}", "server_error")
+
+
 def clamp_logprob(value: float) -> float:
     """A JSON-safe log-probability."""
     return max(value, MIN_LOGPROB)
@@ -155,7 +174,7 @@ class OpenAIServing:
             return await self.engine.add_requests([(f"{response_id}-{i}", p) for i, p in enumerate(prompts)],
                                                   params, add_special_tokens)
         except EngineDeadError as e:
-            raise APIError(503, f"the engine is not running: {e}", "server_error") from e
+            raise engine_unavailable(str(e)) from e
         except ValueError as e:
             raise bad_request(e, fields) from e
 
@@ -166,7 +185,8 @@ class OpenAIServing:
         Closing it early (``aclose``, or a cancelled consumer) aborts the requests still running.
 
         Raises:
-            APIError: 500 when the engine failed a request, 503 when it died.
+            APIError: 400 when the request's constraint failed to compile (or took too long), 500 when the
+                engine failed a request otherwise, 503 when it died.
         """
         queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
@@ -185,15 +205,14 @@ class OpenAIServing:
             while remaining:
                 index, output, error = await queue.get()
                 if isinstance(error, EngineDeadError):
-                    raise APIError(503, f"the engine stopped: {error}", "server_error") from error
+                    raise engine_unavailable(f"it stopped ({error})") from error
                 if error is not None:
                     raise APIError(500, f"internal error: {type(error).__name__}", "server_error") from error
                 if output is None:
                     remaining -= 1
                     continue
                 if streams[index].error is not None:
-                    raise APIError(500, f"the engine failed this request: {streams[index].error}",
-                                   "server_error")
+                    raise request_failed(streams[index].error)
                 yield index, output
         finally:
             for task in tasks:
