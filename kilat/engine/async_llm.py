@@ -221,18 +221,23 @@ class AsyncLLM:
 
     async def _handle_outputs(self) -> None:
         """Receive core outputs until the core dies; then fail every request in flight and restart the core,
-        or give up (see the module docs)."""
-        while True:
-            try:
-                await self._receive_outputs()
-            except Exception as e:  # the core died, or a bug here: either way no output will come
-                if not isinstance(e, EngineDeadError):
-                    logger.exception("output handler failed")
-                self._engine_core_died(str(e) or type(e).__name__)
-            if not await self._restart():
-                if self._on_engine_dead is not None:
-                    self._on_engine_dead(self.dead_error or "engine core died")
-                return
+        or give up (see the module docs). Whatever ends this task (other than cancellation) ends with a dead
+        engine and ``on_engine_dead`` called, never with a server that stays unready."""
+        try:
+            while True:
+                try:
+                    await self._receive_outputs()
+                except Exception as e:  # the core died, or a bug here: either way no output will come
+                    if not isinstance(e, EngineDeadError):
+                        logger.exception("output handler failed")
+                    self._engine_core_died(str(e) or type(e).__name__)
+                if not await self._restart():
+                    break
+        except Exception as e:
+            logger.exception("engine core supervision failed")
+            self.dead_error = f"the engine core died and could not be restarted ({type(e).__name__}: {e})"
+        if self._on_engine_dead is not None:
+            self._on_engine_dead(self.dead_error or "engine core died")
 
     async def _receive_outputs(self) -> None:
         """Apply the core's outputs as they come, forever.
@@ -293,6 +298,10 @@ class AsyncLLM:
             except EngineDeadError as e:
                 cause = str(e)
                 logger.error("engine core restart failed: %s", cause)
+                continue
+            except Exception as e:  # the start itself failed (mkdtemp, fork, zmq): a failed attempt too
+                cause = f"{type(e).__name__}: {e}"
+                logger.exception("engine core restart failed")
                 continue
             self.client = client
             self.num_restarts += 1

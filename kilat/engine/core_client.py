@@ -172,6 +172,11 @@ class EngineCoreClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        if self._async_output is not None:
+            # Closing the asyncio wrapper removes its reader from the event loop; without it the loop keeps
+            # watching the old fd number, which the next client's socket reuses and is then never woken for.
+            self._async_output.close(linger=0)
+            self._async_output = None
         if not self._ctx.closed:
             self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
