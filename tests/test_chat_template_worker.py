@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kilat.engine.input_processor import InputProcessor
 from kilat.engine.tokenizer import get_tokenizer
-from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker
+from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker, RendererUnavailable
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -81,6 +83,61 @@ def test_slow_template_is_killed_and_the_worker_restarts(processor: InputProcess
             await worker.close()
 
     run(scenario())
+
+
+def test_render_that_waits_longer_than_the_limit_is_refused(processor: InputProcessor) -> None:
+    """Renders are serialized: one behind a stuck template (which holds the renderer for its start-up plus
+    the limit) is refused as busy instead of queueing for N times the limit."""
+    stuck = processor.chat_template_call(MESSAGES, True, False, NESTED_LOOPS, None, None)
+    plain = processor.chat_template_call(MESSAGES, True, False, TOOL_TEMPLATE, None, None)
+
+    async def both() -> list[Any]:
+        worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars, timeout_s=1.0)
+        try:
+            first = asyncio.create_task(worker.render(stuck))
+            await asyncio.sleep(0)
+            results = await asyncio.gather(first, worker.render(plain), return_exceptions=True)
+            results.append(await worker.render(plain))  # the renderer is free again
+            return results
+        finally:
+            await worker.close()
+
+    timed_out, busy, text = run(both())
+    assert isinstance(timed_out, ValueError) and "took longer than 1 s" in str(timed_out)
+    assert isinstance(busy, RendererUnavailable), busy
+    assert str(busy) == ("the chat-template renderer is busy with other requests' templates for more than 1 s; "
+                         "retry later")
+    assert text == "<system>Be brief.<user>Hi<assistant>Hello<assistant>"
+
+
+def test_child_that_cannot_start_is_unavailable(processor: InputProcessor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # exits at once, reading nothing
+    call = processor.chat_template_call(MESSAGES, True, False, TOOL_TEMPLATE, None, None)
+
+    async def render() -> str:
+        worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
+        try:
+            return await worker.render(call)
+        finally:
+            await worker.close()
+
+    with pytest.raises(RendererUnavailable, match="the chat-template renderer process failed to start"):
+        run(render())
+
+
+def test_stray_print_in_the_child_does_not_corrupt_replies() -> None:
+    """The child's stdout carries the replies: a print (here the "tokenizer" is ``print`` itself) goes to
+    stderr instead of desynchronising the stream."""
+    async def render_twice() -> list[Any]:
+        worker = ChatTemplateWorker(SimpleNamespace(apply_chat_template=print), 100, timeout_s=10.0)
+        try:
+            return [await asyncio.gather(worker.render({"end": "stray output"}), return_exceptions=True)
+                    for _ in range(2)]
+        finally:
+            await worker.close()
+
+    for (result,) in run(render_twice()):
+        assert isinstance(result, ValueError) and str(result) == "chat_template failed: rendered NoneType, not text"
 
 
 def test_cancelled_render_kills_the_child(processor: InputProcessor) -> None:

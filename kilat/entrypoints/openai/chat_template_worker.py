@@ -35,8 +35,15 @@ START_TIMEOUT_S = 120.0
 _HEADER = struct.Struct(">Q")
 
 
+class RendererUnavailable(Exception):
+    """The renderer cannot take a template now: its process failed to start (or took longer than
+    :data:`START_TIMEOUT_S`), or earlier renders kept it busy longer than the render time limit. The server's
+    fault or load, not the template's: a 503."""
+
+
 class ChatTemplateWorker:
-    """Renders chat templates in a killable child process (one render at a time).
+    """Renders chat templates in a killable child process (one render at a time; a render that waits for
+    the one before it longer than ``timeout_s`` is refused, so stuck templates cannot queue up a backlog).
 
     Args:
         tokenizer: the model's Hugging Face tokenizer (pickled once and loaded by each child).
@@ -44,7 +51,9 @@ class ChatTemplateWorker:
         timeout_s: render time limit (seconds).
         memory_limit_bytes: the child's address-space allowance beyond its start-up size (bytes).
 
-    Must be used from one event loop. :meth:`close` kills the child.
+    Must be used from one event loop; built where nothing else uses ``tokenizer`` (pickling a fast
+    tokenizer while another thread calls it fails), e.g. in the engine's tokenizer thread. :meth:`close`
+    kills the child.
     """
 
     def __init__(self, tokenizer: Any, max_output_chars: int, timeout_s: float = RENDER_TIMEOUT_S,
@@ -70,10 +79,17 @@ class ChatTemplateWorker:
         Raises:
             ValueError: naming ``chat_template``: the template failed, took longer than the time limit or
                 more memory than the limit, or rendered more than ``max_output_chars`` characters.
+            RendererUnavailable: the child failed to start, or the renders before this one held the
+                renderer longer than the time limit.
         """
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:
+        try:
+            await asyncio.wait_for(self._lock.acquire(), self.timeout_s)
+        except TimeoutError as e:
+            raise RendererUnavailable(f"the chat-template renderer is busy with other requests' templates for "
+                                      f"more than {self.timeout_s:g} s; retry later") from e
+        try:
             proc = await self._started()
             job = pickle.dumps({"call": call, "max_output_chars": self.max_output_chars})
             try:
@@ -92,22 +108,34 @@ class ChatTemplateWorker:
             except BaseException:  # cancelled mid-render: the reply would answer the next job
                 self._kill()
                 raise
+        finally:
+            self._lock.release()
         if "error" in reply:
             raise ValueError(f"chat_template failed: {reply['error']}")
         return reply["text"]
 
     async def _started(self) -> asyncio.subprocess.Process:
-        """The child, started (and its tokenizer loaded) when there is none."""
+        """The child, started (and its tokenizer loaded) when there is none.
+
+        Raises:
+            RendererUnavailable: the child could not be started, died while starting or did not load the
+                tokenizer within :data:`START_TIMEOUT_S`.
+            ValueError: the child reported that it cannot load the tokenizer.
+        """
         if self._proc is not None and self._proc.returncode is None:
             return self._proc
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, str(self.memory_limit_bytes), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONSAFEPATH": "1"})
         try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, str(self.memory_limit_bytes), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONSAFEPATH": "1"})
             assert self._proc.stdin is not None
             self._proc.stdin.write(_HEADER.pack(len(self._tokenizer_pickle)) + self._tokenizer_pickle)
             await self._proc.stdin.drain()
             ready = await asyncio.wait_for(_read_message(self._proc), START_TIMEOUT_S)
+        except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError) as e:
+            await self.close()
+            raise RendererUnavailable(f"the chat-template renderer process failed to start "
+                                      f"({type(e).__name__}: {e})") from e
         except BaseException:
             self._kill()
             raise
@@ -170,7 +198,8 @@ def _limit_child(memory_limit_bytes: int) -> None:
 
 def _serve(memory_limit_bytes: int) -> None:
     """The child: load the tokenizer, then render jobs until stdin closes."""
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a stray print (a template's library, transformers) goes to stderr, never into the replies
     try:
         tokenizer = _read_job(stdin)
     except EOFError:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kilat.engine.async_llm import AsyncLLM, RequestStream
-from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker
+from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker, RendererUnavailable
 from kilat.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from kilat.entrypoints.openai.serving import (
     APIError,
@@ -24,6 +24,7 @@ from kilat.entrypoints.openai.serving import (
 from kilat.entrypoints.openai.tool_calls import ToolPlan, plan_tools, tools_system_prompt
 from kilat.outputs import CompletionOutput, Logprob, RequestOutput
 from kilat.sampling_params import SamplingParams
+from kilat.structured_outputs.limits import check_limits_for
 
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -77,6 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         Raises:
             ValueError: malformed messages, reserved ``chat_template_kwargs``, a failing, slow or oversized
                 template, or a request template that is not trusted.
+            APIError: a 503 when the request-template renderer cannot start or is busy.
         """
         template = request.chat_template
         if template is not None and not self.trust_request_chat_template:
@@ -96,9 +98,14 @@ class OpenAIServingChat(OpenAIServing):
                 request.chat_template_kwargs)
         if template is None:
             return await self.engine.in_tokenizer_thread(processor.apply_chat_template, *args)
-        if self._template_worker is None:
-            self._template_worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
-        return await self._template_worker.render(processor.chat_template_call(*args))
+        if self._template_worker is None:  # pickles the tokenizer: in its thread, which nothing else then uses
+            worker = await self.engine.in_tokenizer_thread(ChatTemplateWorker, processor.tokenizer,
+                                                           processor.max_prompt_chars)
+            self._template_worker = self._template_worker or worker
+        try:
+            return await self._template_worker.render(processor.chat_template_call(*args))
+        except RendererUnavailable as e:
+            raise APIError(503, str(e), "server_error", param="chat_template", headers={"Retry-After": "5"}) from e
 
     async def close(self) -> None:
         """Kill the request-template renderer process, if one runs."""
@@ -115,6 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint = plan.constraint() if plan is not None else None
         if constraint is None:
             return plan, params
+        check_limits_for(constraint, "tools (the JSON schema of the calls they allow)")
         if params.structured_outputs is not None:
             raise ValueError("tool_choice 'required' or a named function cannot be combined with "
                              "response_format or structured_outputs")
