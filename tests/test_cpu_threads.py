@@ -75,6 +75,17 @@ def test_short_spike_keeps_every_thread(machine):
     assert [machine.tick(gov, own=1.0, foreign=1.0) for _ in range(2)] == [2, 2]
 
 
+def test_neighbour_met_across_an_idle_spell_drops_a_thread_at_the_first_step(machine):
+    # the engine idled for 5 s (nothing measured) while a neighbour spun: that one measurement spans more
+    # than SUSTAIN_S of held core, so the first step already runs one thread (the old rule needed 3 steps)
+    gov = cpu_threads.ThreadGovernor(None)
+    assert machine.tick(gov, own=0.0, foreign=1.0, dt=5.0) == 1
+    assert machine.tick(gov, own=2.0, foreign=0.0) == 2
+    # a 5 s quiet spell then a 1 s spike: not sustained
+    assert machine.tick(gov, own=0.0, foreign=0.0, dt=5.0) == 2
+    assert machine.tick(gov, own=1.0, foreign=1.0) == 2
+
+
 def test_light_foreign_load_keeps_every_thread(machine):
     gov = cpu_threads.ThreadGovernor(None)
     assert [machine.tick(gov, own=1.7, foreign=0.3) for _ in range(5)] == [2] * 5
@@ -100,7 +111,7 @@ def test_family_process_that_ends_is_not_foreign(machine):
     assert [machine.tick(gov, own=1.0, api=0.5) for _ in range(3)] == [2, 2, 2]
     machine.family[API_PID + 2] = 1.0  # a sibling started in this interval: its CPU time counts from 0
     machine.busy += 1.0
-    assert machine.tick(gov, own=1.0) == 2 and gov._held[-1] == 0
+    assert machine.tick(gov, own=1.0) == 2 and gov._held[-1][0] == 0
 
 
 def test_fixed_thread_count(machine):

@@ -32,8 +32,10 @@ HOLD_CORES = 0.4
 the API process runs too, so the threshold must lie below ½ to notice it at all. A light loopback client stays
 below it (``benchmarks/thread_policy.py`` records the client's CPU use next to the throughput)."""
 
-SUSTAIN_INTERVALS = 3
-"""Consecutive measurements a foreign load must hold a core before a thread is dropped (a spike does not)."""
+SUSTAIN_S = 3.0
+"""Seconds a foreign load must hold a core before a thread is dropped (a spike does not). Measurements are
+weighted by the time they span: one that covers an idle spell of the engine (nothing runs, nothing is
+measured) counts for all of it, so a neighbour that started while kilat was idle is met at the first step."""
 
 
 def available_cores() -> int:
@@ -114,9 +116,9 @@ class ThreadGovernor:
     the last measurement, ``foreign = (Δ busy CPU-s of the cores − Δ own CPU-s − Δ family CPU-s) / Δt``, in
     cores, where the family is kilat's API process and its other children (:func:`_family_seconds`). A
     measurement finds ``held = floor(foreign + 1 − HOLD_CORES)`` cores held; the governor runs
-    ``max(1, cores − held)`` threads, with ``held`` the least of the last :data:`SUSTAIN_INTERVALS`
-    measurements: a thread is dropped only after a foreign load has held its core for that many intervals,
-    and comes back after the first measurement that finds the core free.
+    ``max(1, cores − held)`` threads, with ``held`` the least over the measurements that span the last
+    :data:`SUSTAIN_S` seconds: a thread is dropped only after a foreign load has held its core that long, and
+    comes back after the first measurement that finds the core free.
     """
 
     def __init__(self, num_threads: int | None, interval: float = 1.0):
@@ -129,8 +131,21 @@ class ThreadGovernor:
         self.interval = interval
         self.num_threads = self.max_threads
         torch.set_num_threads(self.num_threads)
-        self._held: deque[int] = deque(maxlen=SUSTAIN_INTERVALS)
+        self._held: deque[tuple[int, float]] = deque()  # (cores held, seconds measured), newest last
         self._last = (time.monotonic(), busy, _own_seconds(), _family_seconds(self._parent))
+
+    def _sustained_hold(self) -> int:
+        """Cores held throughout the last :data:`SUSTAIN_S` seconds of measurements (0 until that much was
+        measured); forgets measurements older than that."""
+        held, covered = None, 0.0
+        for i, (cores, seconds) in enumerate(reversed(self._held)):
+            held = cores if held is None else min(held, cores)
+            covered += seconds
+            if covered >= SUSTAIN_S:
+                for _ in range(len(self._held) - i - 1):
+                    self._held.popleft()
+                return held
+        return 0
 
     def maybe_adjust(self) -> int:
         """Re-measure if ``interval`` has passed; return the thread count in use."""
@@ -144,8 +159,8 @@ class ThreadGovernor:
         self._last = (now, busy, own, family)
         family_delta = sum(max(0.0, s - last_family.get(pid, 0.0)) for pid, s in family.items())
         foreign = max(0.0, ((busy - last_busy) - (own - last_own) - family_delta) / (now - last_t))
-        self._held.append(math.floor(foreign + 1 - HOLD_CORES))
-        held = min(self._held) if len(self._held) == SUSTAIN_INTERVALS else 0
+        self._held.append((math.floor(foreign + 1 - HOLD_CORES), now - last_t))
+        held = self._sustained_hold()
         wanted = max(1, self.max_threads - held)
         if wanted != self.num_threads:
             logger.info("CPU threads %d -> %d (processes outside kilat used %.2f cores over the last %.1f s)",
