@@ -239,9 +239,11 @@ def _json_object(cls: type, name: str, value: str | dict[str, Any]) -> dict[str,
 @dataclass
 class StructuredOutputsConfig:
     """How the engine core compiles structured-outputs grammars (``--structured-outputs-config``, a JSON
-    object; vLLM has the flag, these keys are kilat's).
+    object; vLLM has the flag and ``backend``, the other keys are kilat's).
 
     Attributes:
+        backend: the grammar backend, vLLM's key: ``"auto"`` or ``"xgrammar"`` (kilat's only one; both mean
+            xgrammar).
         compile_timeout_s: most seconds one grammar may take to compile; a request whose grammar takes longer
             ends with finish reason ``abort`` and an error naming this limit.
         cache_size_mb: most MiB of compiled grammars kept for reuse (xgrammar's ``memory_size_bytes``), least
@@ -250,11 +252,14 @@ class StructuredOutputsConfig:
             go away or time runs out).
     """
 
+    backend: str = "auto"
     compile_timeout_s: float = 10.0
     cache_size_mb: int = 512
     num_workers: int = 2
 
     def __post_init__(self) -> None:
+        _check(self.backend in ("auto", "xgrammar"), "structured_outputs_config.backend",
+               f"must be 'auto' or 'xgrammar' (the only backend kilat has), got {self.backend!r}")
         _check(isinstance(self.compile_timeout_s, int | float) and 0 < self.compile_timeout_s <= 3600,
                "structured_outputs_config.compile_timeout_s", f"must be in (0, 3600], got {self.compile_timeout_s}")
         _check(isinstance(self.cache_size_mb, int) and self.cache_size_mb >= 0,

@@ -65,6 +65,20 @@ class RequestMetrics:
 
 
 @dataclass
+class RequestError:
+    """Why the engine ended one request early (its finish reason is then ``"abort"``).
+
+    Attributes:
+        message: the reason, for the client.
+        client_error: the request itself is at fault (its constraint failed to compile or compiled past
+            ``compile_timeout_s``: a server answers 400); else the engine is (500).
+    """
+
+    message: str
+    client_error: bool = False
+
+
+@dataclass
 class CompletionOutput:
     """One of the ``n`` completions of a prompt.
 
@@ -75,6 +89,8 @@ class CompletionOutput:
         logprobs: per generated token, the top-N log-probabilities, when asked for.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
         stop_reason: the stop string or stop token id that ended it, if any.
+        error: why the engine ended it with finish reason ``"abort"``, when it says (e.g. its grammar failed
+            to compile); ``None`` otherwise.
     """
 
     index: int
@@ -83,6 +99,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:

@@ -67,9 +67,10 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical spec text): equal constraints share one compiled grammar."""
+        """(kind, spec text): equal constraints share one compiled grammar. A schema keeps its property order
+        (the grammar emits properties in schema order, as OpenAI promises), so reordered schemas differ."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json", text
         if self.regex is not None:
             return "regex", self.regex

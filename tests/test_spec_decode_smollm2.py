@@ -5,6 +5,7 @@ outputs behave as without speculation."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,13 +24,15 @@ COPY_PROMPT = [{"role": "user", "content": "Rewrite this code, renaming the vari
 
 
 @pytest.fixture(scope="module")
-def base() -> LLM:
-    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory=128 << 20)
+def base() -> Iterator[LLM]:
+    with LLM(dtype="float32", max_model_len=2048, kv_cache_memory=128 << 20) as llm:
+        yield llm  # the structured-outputs tests start compile workers: stopped at the end of the module
 
 
 @pytest.fixture(scope="module")
-def ngram() -> LLM:
-    return LLM(dtype="float32", max_model_len=2048, kv_cache_memory=128 << 20, speculative_config=NGRAM)
+def ngram() -> Iterator[LLM]:
+    with LLM(dtype="float32", max_model_len=2048, kv_cache_memory=128 << 20, speculative_config=NGRAM) as llm:
+        yield llm
 
 
 def chat(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list | None = None) -> list:

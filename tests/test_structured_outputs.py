@@ -80,10 +80,8 @@ ARITHMETIC = 'root ::= number op number\nop ::= "+" | "-" | "*"\nnumber ::= [1-9
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    llm = LLM(dtype="float32", max_model_len=1024)
-    yield llm
-    if llm.engine.core.structured_outputs is not None:
-        llm.engine.core.structured_outputs.shutdown()  # its compile workers would outlive the module
+    with LLM(dtype="float32", max_model_len=1024) as llm:
+        yield llm  # its compile workers are stopped at the end of the module
 
 
 def chat(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingParams) -> list:
@@ -99,6 +97,19 @@ def test_twenty_json_schemas_parse_and_validate(llm: LLM) -> None:
     for (what, schema), out in zip(SCHEMAS, outputs, strict=True):
         assert out.finish_reason == "stop", (what, out.text)
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_schemas_differing_in_property_order_keep_their_own_order(llm: LLM) -> None:
+    def schema(names: list[str]) -> dict:
+        return {"type": "object", "properties": {n: {"type": "integer", "minimum": 0, "maximum": 9} for n in names},
+                "required": names, "additionalProperties": False}
+
+    orders = [["width", "height"], ["height", "width"]]
+    for order in orders:  # one after the other: the second would be served the first's cached grammar before
+        out = chat(llm, ["Reply in JSON with a width and a height."],
+                   SamplingParams(temperature=0, max_tokens=30,
+                                  structured_outputs=StructuredOutputsParams(json=schema(order))))[0]
+        assert out.finish_reason == "stop" and list(json.loads(out.text)) == order, out.text
 
 
 def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
@@ -166,7 +177,8 @@ def test_structured_outputs_params_validation() -> None:
         StructuredOutputsParams(json={}, regex="a")
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
-    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    assert StructuredOutputsParams(json={"a": 2, "b": 1}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key != StructuredOutputsParams(json={"a": 2, "b": 1}).key
     with pytest.raises(ValueError, match="json_object must be a boolean"):
         StructuredOutputsParams(json_object="yes")
 

@@ -26,6 +26,7 @@ from kilat.config import EngineConfig
 from kilat.core.engine_core import EngineCore, EngineCoreOutput, StepFailed
 from kilat.core.request import EngineCoreRequest, RequestStatus
 from kilat.metrics.stats import EngineStats
+from kilat.outputs import RequestError
 
 logger = logging.getLogger("kilat")
 
@@ -74,8 +75,9 @@ class EngineCoreOutputs:
     Attributes:
         outputs: per request that sampled a token or finished.
         stats: cumulative counters and current gauges.
-        error: the message of a failed step (its requests come back with finish reason ``"abort"``), or of
-            a rejected message.
+        error: the message of a failed step (its requests come back with finish reason ``"abort"``); a
+            single request's failure (a grammar that did not compile, a rejected request) is in that
+            request's :attr:`EngineCoreOutput.error` instead, for its client only.
     """
 
     outputs: list[EngineCoreOutput]
@@ -101,16 +103,16 @@ class EngineCoreProc:
         self.input = input_socket
         self.output = output_socket
 
-    def _handle(self, message: Any, outputs: list[EngineCoreOutput], errors: list[str]) -> None:
+    def _handle(self, message: Any, outputs: list[EngineCoreOutput]) -> None:
         """Apply one frontend message. A rejected request comes back at once with finish reason
-        ``"abort"`` (and the reason in ``errors``), so that its client is not left waiting."""
+        ``"abort"`` and the reason as its error, so that its client is not left waiting."""
         if isinstance(message, AddRequests):
             try:
                 self.core.add_requests(message.requests)
             except ValueError as e:
-                errors.append(str(e))
-                outputs.extend(EngineCoreOutput(r.request_id, [], None, finish_reason="abort")
-                               for r in message.requests)
+                logger.error("engine core: rejected a request: %s", e)
+                outputs.extend(EngineCoreOutput(r.request_id, [], None, finish_reason="abort",
+                                                error=RequestError(str(e))) for r in message.requests)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids, message.status)
         elif isinstance(message, Shutdown):
@@ -139,23 +141,23 @@ class EngineCoreProc:
         while True:
             if not self._can_step() and not self._sleep():
                 continue
-            errors: list[str] = []
+            error: str | None = None
             outputs: list[EngineCoreOutput] = []
             received = False
             while self.input.poll(0):
                 received = True
-                self._handle(pickle.loads(self.input.recv()), outputs, errors)
+                self._handle(pickle.loads(self.input.recv()), outputs)
             if self._can_step():
                 try:
                     outputs += self.core.step()
                 except StepFailed as e:
                     logger.exception("engine core: step failed")
-                    outputs += [EngineCoreOutput(rid, [], None, finish_reason="abort") for rid in e.request_ids]
-                    errors.append(str(e))
+                    error = str(e)
+                    outputs += [EngineCoreOutput(rid, [], None, finish_reason="abort", error=RequestError(error))
+                                for rid in e.request_ids]
             elif not received:
                 continue
-            errors += [o.error for o in outputs if o.error is not None]
-            _send(self.output, EngineCoreOutputs(outputs, self.core.update_gauges(), error="; ".join(errors) or None))
+            _send(self.output, EngineCoreOutputs(outputs, self.core.update_gauges(), error=error))
 
 
 def _exit(signum: int, frame: Any) -> None:

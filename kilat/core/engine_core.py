@@ -15,7 +15,7 @@ from kilat.engine.tokenizer import get_tokenizer
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
 from kilat.model_executor.model_runner import ModelRunner
-from kilat.outputs import PositionLogprobs, RequestMetrics
+from kilat.outputs import PositionLogprobs, RequestError, RequestMetrics
 from kilat.spec_decode import Proposer, build_proposer
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: per prompt position, sent once with the first token, when asked for.
         metrics: the request's timings, sent with its first token and when it finishes.
-        error: why the engine ended the request (finish reason ``"abort"``), e.g. its grammar failed to
-            compile or ran past the compile time limit.
+        error: why the engine ended this request (finish reason ``"abort"``), e.g. its grammar failed to
+            compile or ran past the compile time limit; only this request's client sees it.
     """
 
     request_id: str
@@ -49,7 +49,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
-    error: str | None = None
+    error: RequestError | None = None
 
 
 class StepFailed(RuntimeError):
@@ -141,6 +141,12 @@ class EngineCore:
             self.stats.finished_by_reason[request.status.finish_reason] += 1
         return finished
 
+    def shutdown(self) -> None:
+        """Stop the grammar compile workers and threads, if structured outputs were used. Idempotent; the
+        core stays usable for requests without a constraint."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.num_unfinished > 0
@@ -168,7 +174,10 @@ class EngineCore:
         """
         start = time.perf_counter()
         # A grammar that failed to compile (or in time) ends its request here with finish reason "abort".
-        failed = {r.request_id: r.grammar.error for r in self.scheduler.failed_grammars()}
+        failed = {r.request_id: RequestError(r.grammar.error, r.grammar.client_error)
+                  for r in self.scheduler.failed_grammars()}
+        for rid, error in failed.items():  # a client's constraint is the client's business, not an engine fault
+            logger.log(logging.INFO if error.client_error else logging.ERROR, "request %s: %s", rid, error.message)
         outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
                    for r in self.abort_requests(list(failed))]
         sched = self.scheduler.schedule()

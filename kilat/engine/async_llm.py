@@ -30,7 +30,7 @@ from kilat.engine.input_processor import PromptType
 from kilat.engine.processors import build_processors
 from kilat.metrics.stats import EngineStats
 from kilat.model_executor.loader import resolve_model_source
-from kilat.outputs import RequestOutput
+from kilat.outputs import RequestError, RequestOutput
 from kilat.sampling_params import SamplingParams
 
 logger = logging.getLogger("kilat")
@@ -76,14 +76,15 @@ class RequestStream:
     def __init__(self, request_id: str, engine: AsyncLLM):
         self.request_id = request_id
         self.output: RequestOutput | None = None
-        self.error: str | None = None
+        self.error: RequestError | None = None
         self._engine = engine
         self._event = asyncio.Event()
         self._done = False
         self._dead_error: str | None = None
 
-    def put(self, output: RequestOutput, error: str | None = None) -> None:
-        """Publish a new state; ``error`` when the engine ended the request because a step failed."""
+    def put(self, output: RequestOutput, error: RequestError | None = None) -> None:
+        """Publish a new state; ``error`` when the engine ended the request (its constraint failed, or a
+        step)."""
         self.output = output
         if error is not None:
             self.error = error
@@ -250,14 +251,13 @@ class AsyncLLM:
             outputs, to_abort = self.output_processor.process_outputs(message.outputs)
             if to_abort:
                 self.client.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
-            if message.error:
+            if message.error:  # a failed step (each of its requests carries the error too)
                 logger.error("engine core: %s", message.error)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
-                failed = any(c.finish_reason == "abort" for c in output.outputs)
-                stream.put(output, message.error if failed else None)
+                stream.put(output, next((c.error for c in output.outputs if c.error is not None), None))
                 if output.finished:
                     del self._streams[output.request_id]
             if self.stat_logger is not None:

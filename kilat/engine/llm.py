@@ -27,10 +27,24 @@ class LLM:
 
     Raises:
         ValueError: an unknown or invalid engine argument.
+
+    A request ended early by the engine (finish reason ``"abort"``, e.g. its constraint failed to compile)
+    says why in its :attr:`CompletionOutput.error <kilat.outputs.CompletionOutput.error>`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the engine's background work (grammar compile worker processes and threads). Idempotent; a
+        dropped ``LLM`` does it when collected, and ``with LLM(...) as llm:`` at the block's end."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer."""

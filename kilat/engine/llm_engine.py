@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import selectors
+import weakref
 from typing import Any
 
 from kilat.config import EngineArgs
@@ -12,6 +14,9 @@ from kilat.engine.input_processor import PromptType
 from kilat.engine.processors import build_processors
 from kilat.outputs import RequestOutput
 from kilat.sampling_params import SamplingParams
+
+_GRAMMAR_WAIT_S = 1.0
+"""Most seconds :meth:`LLMEngine.step` sleeps for a grammar compile to end before it steps anyway."""
 
 
 class LLMEngine:
@@ -31,6 +36,13 @@ class LLMEngine:
         self.tokenizer, self.input_processor, self.output_processor = build_processors(
             self.config.model, self.hf_config, self.core.max_model_len)
         self._ids = itertools.count()
+        # a dropped engine stops its grammar compile workers too (they are processes of their own)
+        self._finalizer = weakref.finalize(self, self.core.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the grammar compile workers (processes) and threads, and close their pipe. Idempotent; also
+        done when the engine is garbage-collected or the interpreter exits."""
+        self._finalizer()
 
     @property
     def stats(self) -> Any:
@@ -63,7 +75,14 @@ class LLMEngine:
         return len(self.output_processor) > 0 or self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests it updated."""
+        """Run one engine step; return the requests it updated. While every request only waits for its grammar
+        to compile, it first sleeps until a compile ends (at most ``_GRAMMAR_WAIT_S``) instead of spinning."""
+        fd = self.core.grammar_wakeup_fd
+        if fd is not None and self.core.has_unfinished_requests() and self.core.waits_only_for_grammars():
+            with selectors.DefaultSelector() as selector:
+                selector.register(fd, selectors.EVENT_READ)
+                selector.select(_GRAMMAR_WAIT_S)
+            self.core.drain_grammar_wakeups()
         outputs, to_abort = self.output_processor.process_outputs(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)

@@ -138,6 +138,7 @@ class OutputProcessor:
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
+                completion.error = co.error
                 state.num_unfinished -= 1
                 self._core_to_parent.pop(co.request_id, None)
             updated[parent[0]] = state.output

@@ -3,8 +3,9 @@
 A constraint's compile time grows with its size (and faster than linearly for long choice lists and enums:
 10,000 choices take 2.7 s to compile on SmolLM2's tokenizer, 100,000 went on for about 150 s), so the
 front end refuses an oversized one at once with a ``ValueError`` (HTTP 400) naming the field and the limit.
-At the limits, each kind compiles in well under a second on SmolLM2's tokenizer (docs/architecture.md,
-"Structured outputs"). A small constraint can still be slow to compile (a 600-character regex of 40 bounded
+At the limits, each kind compiles in about a second at most on SmolLM2's tokenizer (up to 0.96 s measured,
+docs/architecture.md, "Structured outputs"), twice on a cache miss (in the worker, then in the engine core).
+A small constraint can still be slow to compile (a 600-character regex of 40 bounded
 repetitions, ``[a-z]{1,300}[a-z]{1,301}...``, compiles for a minute); the engine core's compile time limit
 (``StructuredOutputsConfig.compile_timeout_s``) bounds those.
 """
@@ -62,6 +63,20 @@ def check_limits(params: StructuredOutputsParams) -> None:
         _check_schema_tree(schema)
         if not isinstance(params.json, str):
             _at_most("structured_outputs.json", "characters", len(json.dumps(schema)), MAX_SCHEMA_CHARS)
+
+
+def check_limits_for(params: StructuredOutputsParams, field: str) -> None:
+    """:func:`check_limits` for a constraint the server built from another request field (``tools``,
+    ``response_format``): the error names ``field`` instead of ``structured_outputs.json``, which the client
+    never sent.
+
+    Raises:
+        ValueError: as :func:`check_limits`, naming ``field``.
+    """
+    try:
+        check_limits(params)
+    except ValueError as e:
+        raise ValueError(str(e).replace("structured_outputs.json", field)) from None
 
 
 def _at_most(field: str, what: str, value: int, limit: int) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -68,6 +68,8 @@ class _Job:
         self.worker: _Worker | None = None
         self.compiled: xgr.CompiledGrammar | None = None
         self.error: str | None = None
+        self.client_error = False  # the constraint itself is at fault (refused by xgrammar, or too slow)
+        self.answered = False  # the worker answered: the manager no longer kills it for this job
 
     @classmethod
     def done(cls, params: StructuredOutputsParams, compiled: xgr.CompiledGrammar) -> _Job:
@@ -81,6 +83,9 @@ class GrammarState:
 
     Attributes:
         error: why compilation failed (or timed out), or ``None``.
+        client_error: with :attr:`error`, whether the constraint itself is at fault (xgrammar refused it, or
+            it compiled past ``compile_timeout_s``) rather than the engine (a worker that crashed or could not
+            start, a shutdown).
         rejected: a sampled token broke the grammar (the request then ends with finish reason ``abort``).
     """
 
@@ -89,6 +94,7 @@ class GrammarState:
         self._job: _Job | None = job
         self._matcher: xgr.GrammarMatcher | None = None
         self.error: str | None = None
+        self.client_error = False
         self.rejected = False
 
     @property
@@ -101,7 +107,7 @@ class GrammarState:
             return False
         self._job = None
         if job.error is not None:
-            self.error = job.error
+            self.error, self.client_error = job.error, job.client_error
         else:
             try:
                 self._matcher = xgr.GrammarMatcher(job.compiled)
@@ -170,21 +176,35 @@ class GrammarCache:
 
 
 class _Worker:
-    """A compile process (:mod:`kilat.structured_outputs.worker`), started and ready.
-
-    Args:
-        tokenizer_json: returns the serialized ``TokenizerInfo`` (called while the process imports xgrammar).
+    """A compile process (:mod:`kilat.structured_outputs.worker`); :meth:`start` makes it ready.
 
     Raises:
-        RuntimeError: it exited or did not start within ``_WORKER_START_TIMEOUT_S``.
+        OSError: the process could not be started.
+
+    Attributes:
+        killed: :meth:`kill` was called (the process is gone or going, whatever it answered before).
     """
 
-    def __init__(self, tokenizer_json: Callable[[], str]):
+    def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # this process's sys.path, as multiprocessing does: the same kilat, whatever the working directory
         code = f"import sys; sys.path[:] = {sys.path!r}; from kilat.structured_outputs.worker import main; main()"
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env)
+        self.killed = False
+
+    def start(self, tokenizer_json: Callable[[], str]) -> None:
+        """Send the tokenizer and wait until the process is ready; on failure it is closed.
+
+        Args:
+            tokenizer_json: returns the serialized ``TokenizerInfo`` (called while the process imports
+                xgrammar).
+
+        Raises:
+            RuntimeError: it exited (or was killed) before it was ready.
+            TimeoutError: it was not ready within ``_WORKER_START_TIMEOUT_S``.
+            OSError: its pipe broke.
+        """
         try:
             worker_protocol.send(self.process.stdin, tokenizer_json())
             if self.receive(_WORKER_START_TIMEOUT_S) != {"ready": True}:
@@ -199,13 +219,15 @@ class _Worker:
         Raises:
             TimeoutError: no answer came within ``timeout_s``.
         """
-        ready, _, _ = select.select([self.process.stdout], [], [], max(timeout_s, 0.0))
-        if not ready:
-            raise TimeoutError
+        with selectors.DefaultSelector() as selector:  # not select.select: it fails for descriptors >= 1024
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(max(timeout_s, 0.0)):
+                raise TimeoutError
         return worker_protocol.receive(self.process.stdout)
 
     def kill(self) -> None:
         """Kill the process (a compile in progress is lost); safe from any thread while another waits on it."""
+        self.killed = True
         self.process.kill()
 
     def close(self) -> None:
@@ -243,11 +265,13 @@ class StructuredOutputManager:
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._slots: list[threading.Thread] = []
         self._workers: set[_Worker] = set()  # started, not yet closed
+        self._starting: set[_Worker] = set()  # processes still starting (killed by a shutdown)
         self._closed = False
         self._idle_slots = 0  # slots waiting for a job (a new slot, and its worker, starts only when none is)
         self.wakeup_fd, self._wakeup_write = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
         os.set_blocking(self._wakeup_write, False)
+        self._pipe_open = True  # until shutdown closes the wake-up pipe (guarded by the lock)
 
     @property
     def num_busy(self) -> int:
@@ -291,9 +315,10 @@ class StructuredOutputManager:
         return GrammarState(self, job)
 
     def drain_wakeups(self) -> None:
-        """Empty :attr:`wakeup_fd` (call before looking at which grammars are ready)."""
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.wakeup_fd, 4096):
+        """Empty :attr:`wakeup_fd` (call before looking at which grammars are ready; nothing after
+        :meth:`shutdown`)."""
+        with self._lock, contextlib.suppress(BlockingIOError):
+            while self._pipe_open and os.read(self.wakeup_fd, 4096):
                 pass
 
     def _unsubscribe(self, job: _Job) -> None:
@@ -308,19 +333,25 @@ class StructuredOutputManager:
                 self._finish(job, "structured_outputs: cancelled")
             elif job.state is _JobState.PROBING:
                 self._jobs.pop(job.key, None)  # new requests for the same constraint start a new compile
-                if job.worker is not None:  # else the slot's thread drops the job once its worker started
+                # without a worker the slot's thread drops the job once its worker started; once the worker
+                # answered, the compile is about done and the worker must stay usable for the next job
+                if job.worker is not None and not job.answered:
                     job.worker.kill()  # the slot's thread sees the process end, and drops the job
             # COMPILING: it ends in about the time the worker took, and its grammar is cached
 
-    def _finish(self, job: _Job, error: str | None = None, compiled: xgr.CompiledGrammar | None = None) -> None:
-        """Under the lock: publish the job's result and wake the engine core."""
+    def _finish(self, job: _Job, error: str | None = None, compiled: xgr.CompiledGrammar | None = None,
+                client_error: bool = False) -> None:
+        """Under the lock: publish the job's result and wake the engine core. ``client_error``: ``error``
+        blames the constraint (see :attr:`GrammarState.client_error`)."""
         job.error, job.compiled, job.state, job.worker = error, compiled, _JobState.DONE, None
+        job.client_error = client_error and error is not None
         if self._jobs.get(job.key) is job:
             del self._jobs[job.key]
         if compiled is not None:
             self.cache.put(job.key, compiled)
-        with contextlib.suppress(BlockingIOError):  # a full pipe of unread wake-ups wakes the core anyway
-            os.write(self._wakeup_write, b"\0")
+        if self._pipe_open:
+            with contextlib.suppress(BlockingIOError):  # a full pipe of unread wake-ups wakes the core anyway
+                os.write(self._wakeup_write, b"\0")
 
     def _prepare(self) -> str:
         """Load the tokenizer once (in a slot's thread, off the engine step); return it serialized."""
@@ -345,17 +376,16 @@ class StructuredOutputManager:
                     break
                 job = self._queue.popleft()
                 job.state = _JobState.PROBING
-            if worker is not None and worker.process.poll() is not None:  # killed after its last answer
+            if worker is not None and (worker.killed or worker.process.poll() is not None):  # killed or crashed
                 self._close_worker(worker)
                 worker = None
             try:
-                worker = worker or _Worker(self._prepare)
+                worker = worker or self._start_worker()
             except Exception as e:
                 with self._lock:
                     self._finish(job, f"structured_outputs: cannot start the grammar compiler: {e}")
                 continue
             with self._lock:
-                self._workers.add(worker)
                 if job.subscribers == 0 or self._closed:  # cancelled while the worker started
                     self._finish(job, "structured_outputs: cancelled")
                     continue
@@ -374,11 +404,23 @@ class StructuredOutputManager:
                                       f"{worker.process.returncode}")
                 worker = None
                 with self._lock:
-                    self._finish(job, "structured_outputs: cancelled" if job.subscribers == 0 else failure)
+                    if job.subscribers == 0:
+                        self._finish(job, "structured_outputs: cancelled")
+                    else:
+                        self._finish(job, failure, client_error=failure.startswith("structured_outputs: grammar "
+                                                                                   "compilation took longer"))
                 continue
+            with self._lock:
+                job.answered = True  # no kill for this job from now on; one that already landed drops the worker
+                if worker.killed:
+                    self._workers.discard(worker)
+            if worker.killed:
+                worker.close()
+                worker = None
             if "error" in answer:
                 with self._lock:
-                    self._finish(job, f"structured_outputs: grammar compilation failed: {answer['error']}")
+                    self._finish(job, f"structured_outputs: grammar compilation failed: {answer['error']}",
+                                 client_error=True)
                 continue
             with self._lock:
                 job.state, job.worker = _JobState.COMPILING, None
@@ -391,25 +433,55 @@ class StructuredOutputManager:
         if worker is not None:
             self._close_worker(worker)
 
+    def _start_worker(self) -> _Worker:
+        """A new worker, ready (killed, and failing, if a shutdown comes while it starts).
+
+        Raises:
+            RuntimeError, TimeoutError, OSError: it could not start (see :class:`_Worker`).
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler was shut down")
+            worker = _Worker()
+            self._starting.add(worker)
+        try:
+            worker.start(self._prepare)
+        finally:
+            with self._lock:
+                self._starting.discard(worker)
+        with self._lock:
+            if worker.killed:  # by a shutdown, just as it became ready
+                worker.close()
+                raise RuntimeError("the grammar compiler was shut down")
+            self._workers.add(worker)
+        return worker
+
     def _close_worker(self, worker: _Worker) -> None:
         with self._lock:
             self._workers.discard(worker)
         worker.close()
 
-    def shutdown(self) -> None:
-        """Stop the compile slots and kill their worker processes (compiles in flight fail as cancelled).
-        The engine core process needs no call: its workers exit with it."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the compile slots, kill their worker processes (also those still starting; compiles in flight
+        fail as cancelled) and close the wake-up pipe. Idempotent. A slot compiling in its thread cannot be
+        interrupted: it is waited for at most ``timeout_s`` and then left to end on its own (a daemon
+        thread). The engine core process needs no call: its workers exit with it."""
         with self._lock:
             self._closed = True
             for job in self._queue:
                 job.subscribers = 0
                 self._finish(job, "structured_outputs: cancelled")
             self._queue.clear()
-            for worker in self._workers:
+            for worker in self._workers | self._starting:
                 worker.kill()
             self._lock.notify_all()
         for slot in self._slots:
-            slot.join()
+            slot.join(timeout_s)
+        with self._lock:
+            if self._pipe_open:
+                self._pipe_open = False
+                os.close(self.wakeup_fd)
+                os.close(self._wakeup_write)
 
     def _probe(self, worker: _Worker, job: _Job) -> dict[str, Any] | None:
         """Compile ``job`` in ``worker``; its answer, or ``None`` when the process ended (killed or crashed).

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kilat.engine.input_processor import MAX_LOGPROBS
 from kilat.sampling_params import SamplingParams, StructuredOutputsParams
+from kilat.structured_outputs.limits import check_limits_for
 
 MAX_N = 128
 """Most choices per prompt (OpenAI's limit)."""
@@ -79,6 +80,7 @@ class _SamplingRequest(BaseModel):
                 if not isinstance(schema, dict):
                     raise ValueError("response_format.json_schema.schema must be a JSON schema object")
                 from_format = StructuredOutputsParams(json=schema)
+                check_limits_for(from_format, "response_format.json_schema.schema")
             elif kind != "text":
                 raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
         if self.structured_outputs is None:

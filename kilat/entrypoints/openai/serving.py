@@ -18,7 +18,7 @@ from kilat.engine.core_client import EngineDeadError
 from kilat.engine.detokenizer import TextDelta
 from kilat.engine.input_processor import PromptType
 from kilat.engine.tokenizer import TokenBytes
-from kilat.outputs import CompletionOutput, RequestOutput
+from kilat.outputs import CompletionOutput, RequestError, RequestOutput
 from kilat.sampling_params import SamplingParams
 
 MIN_LOGPROB = -9999.0
@@ -70,17 +70,12 @@ def engine_unavailable(reason: str) -> APIError:
     return APIError(503, f"the engine is not running: {reason}", "server_error", headers={"Retry-After": "5"})
 
 
-_CLIENT_FAILURES = ("structured_outputs: grammar compilation",)
-"""Prefixes of the engine's error texts that blame the request itself (a constraint xgrammar refuses, or one
-that compiles for longer than ``compile_timeout_s``)."""
-
-
-def request_failed(error: str) -> APIError:
+def request_failed(error: RequestError) -> APIError:
     """The error for a request the engine ended with finish reason ``abort`` and ``error``: 400 naming
-    ``structured_outputs`` when its constraint is at fault, else 500."""
-    if error.startswith(_CLIENT_FAILURES):
-        return APIError(400, error, param="structured_outputs")
-    return APIError(500, f"the engine failed this request: {error}", "server_error")
+    ``structured_outputs`` when its constraint is at fault (``error.client_error``), else 500."""
+    if error.client_error:
+        return APIError(400, error.message, param="structured_outputs")
+    return APIError(500, f"the engine failed this request: {error.message}", "server_error")
 
 
 def clamp_logprob(value: float) -> float:
