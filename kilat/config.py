@@ -26,6 +26,8 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+MAX_ENGINE_CORE_RESTARTS = 3
+"""Default for the most restarts of a dead engine core in a row (``AsyncLLM``, ``kilat serve``)."""
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from kilat.config import EngineArgs
+from kilat.config import MAX_ENGINE_CORE_RESTARTS, EngineArgs
 from kilat.core.request import RequestStatus
 from kilat.engine.core_client import EngineCoreClient, EngineDeadError
 from kilat.engine.input_processor import PromptType
@@ -137,7 +137,8 @@ class AsyncLLM:
     """
 
     def __init__(self, engine_args: EngineArgs, stat_logger: StatLogger | None = None,
-                 max_engine_core_restarts: int = 3, on_engine_dead: Callable[[str], None] | None = None):
+                 max_engine_core_restarts: int = MAX_ENGINE_CORE_RESTARTS,
+                 on_engine_dead: Callable[[str], None] | None = None):
         self.config = engine_args.create_engine_config()
         resolve_model_source(self.config.model.model, self.config.model.load_format)
         self.client = EngineCoreClient(self.config)

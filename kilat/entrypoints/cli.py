@@ -25,6 +25,7 @@ from kilat.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from kilat.entrypoints.openai.server_config import ServerConfig
 from kilat.sampling_params import SamplingParams
 
 
@@ -257,7 +258,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> None:
     """Serve the model over the OpenAI API until SIGINT or SIGTERM."""
-    from kilat.entrypoints.openai.api_server import ServerConfig, run_server
+    from kilat.entrypoints.openai.api_server import run_server
 
     config = ServerConfig(host=ns.host, port=ns.port, served_model_name=ns.served_model_name or [],
                           api_key=ns.api_key, max_request_body_bytes=ns.max_request_body_bytes,
@@ -269,28 +270,32 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 
 def _server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    """``kilat serve``'s server flags; their defaults are :class:`ServerConfig`'s."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    parser.add_argument("--host", default=defaults["host"],
+                        help="address to bind (default: %(default)s, loopback only)")
+    parser.add_argument("--port", type=int, default=defaults["port"], help="TCP port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model names clients may use (default: the model path, or SmolLM2-135M-Instruct)")
     parser.add_argument("--api-key", default=os.environ.get("KILAT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                              "(default: $KILAT_API_KEY)")
-    parser.add_argument("--max-request-body-bytes", type=_size_arg, default=16 * 1024 * 1024,
-                        help=f"larger request bodies get HTTP 413; {SIZE_FORMAT} (default: 16MiB)")
+    parser.add_argument("--max-request-body-bytes", type=_size_arg, default=defaults["max_request_body_bytes"],
+                        help=f"larger request bodies get HTTP 413; {SIZE_FORMAT}")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in chat requests (it runs on the server)")
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="parse tool calls in tool_choice='auto' outputs (hermes: <tool_call>{...}</tool_call>)")
-    parser.add_argument("--uvicorn-log-level", default="info",
+    parser.add_argument("--uvicorn-log-level", default=defaults["uvicorn_log_level"],
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server (uvicorn)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log one line per HTTP request")
-    parser.add_argument("--max-engine-core-restarts", type=int, default=3, metavar="N",
+    parser.add_argument("--max-engine-core-restarts", type=int, default=defaults["max_engine_core_restarts"],
+                        metavar="N",
                         help="restart a dead engine core up to N times in a row (backoff 1, 2, 4 ... s; a core that "
                              "served 60 s ends the row), then exit non-zero; 0: exit at once, for a supervisor "
-                             "such as systemd or Kubernetes to restart the server (as vLLM does) (default: 3)")
+                             "such as systemd or Kubernetes to restart the server (as vLLM does)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,6 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -44,64 +43,17 @@ from kilat.entrypoints.openai.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
+from kilat.entrypoints.openai.server_config import ServerConfig
 from kilat.entrypoints.openai.serving import APIError, EventStream, bad_request, engine_unavailable
 from kilat.entrypoints.openai.serving_chat import OpenAIServingChat
 from kilat.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kilat.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, plan_tools
+from kilat.entrypoints.openai.tool_calls import plan_tools
 from kilat.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("kilat")
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 """Paths that need the API key when one is set; ``/health``, ``/version`` and ``/metrics`` stay open."""
-
-
-@dataclass
-class ServerConfig:
-    """HTTP server settings.
-
-    Attributes:
-        host: address to bind; loopback unless told otherwise.
-        port: TCP port, 0-65535 (0: any free port).
-        served_model_name: names clients may pass as ``model``; default: the model path or
-            ``"SmolLM2-135M-Instruct"`` for the embedded model.
-        api_key: when set, ``Authorization: Bearer <api_key>`` is required on ``/v1/*``, ``/tokenize`` and
-            ``/detokenize``.
-        max_request_body_bytes: larger request bodies get 413 (bytes).
-        trust_request_chat_template: accept a ``chat_template`` in chat requests (it runs on the server).
-        tool_call_parser: how ``tool_choice: "auto"`` outputs are parsed for tool calls (``"hermes"``), or
-            ``None`` (then ``auto`` is refused; ``required`` and named choices work without it).
-        uvicorn_log_level: uvicorn's log level.
-        disable_uvicorn_access_log: do not log one line per HTTP request.
-        max_engine_core_restarts: most restarts of a dead engine core in a row before the server exits
-            non-zero; 0 exits at the first death (for a supervisor to restart the server).
-
-    Raises:
-        ValueError: an invalid value, named.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    max_request_body_bytes: int = 16 * 1024 * 1024
-    trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None
-    uvicorn_log_level: str = "info"
-    disable_uvicorn_access_log: bool = False
-    max_engine_core_restarts: int = 3
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
-        if self.max_engine_core_restarts < 0:
-            raise ValueError(f"max_engine_core_restarts must be >= 0, got {self.max_engine_core_restarts}")
 
 
 def default_model_name(model: str | None) -> str:
@@ -127,12 +79,31 @@ def _non_finite_number(body: bytes) -> APIError | None:
     """A 400 naming the first field that holds ``NaN``, ``Infinity``, ``-Infinity`` or a number beyond the
     float range (``1e400``): Python's ``json`` reads them as ``nan``/``inf``, but ``NaN`` and ``Infinity``
     are not JSON (RFC 8259) and no field may be infinite. ``None`` when there is none, or when the body is
-    not valid JSON (reported by the app)."""
+    not valid JSON or nests too deeply for ``json`` (reported by the app as a 400).
+
+    One ``json.loads`` pass (C speed) finds out whether such a number exists, its hooks seeing only the
+    constants and the floats; the Python walk that names the field runs only when one does. Blocking (up
+    to a few seconds for a 16 MiB body): run it off the event loop."""
     if not _MAYBE_NON_FINITE.search(body):
         return None
+    found = False
+
+    def constant(text: str) -> float:
+        nonlocal found
+        found = True
+        return float(text)
+
+    def number(text: str) -> float:
+        nonlocal found
+        value = float(text)
+        found = found or not math.isfinite(value)
+        return value
+
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = json.loads(body, parse_constant=constant, parse_float=number)
+    except (ValueError, RecursionError):
+        return None
+    if not found:
         return None
     stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
@@ -199,7 +170,7 @@ class _GuardMiddleware:
                 await _send_error(send, too_large)
                 return
         if body:
-            error = _non_finite_number(bytes(body))
+            error = await asyncio.to_thread(_non_finite_number, bytes(body))
             if error is not None:
                 await _send_error(send, error)
                 return
