@@ -395,7 +395,12 @@ class EngineArgs:
 
 @dataclass
 class EngineConfig:
-    """All validated configs of one engine instance."""
+    """All validated configs of one engine instance.
+
+    ``frontend_pid`` is set by the engine-core process (``run_engine_core``) to the process that started it
+    (the API process, or the offline user's): the CPU thread governor counts that process and its other
+    children as kilat's own load, not a neighbour's (``None``: an in-process engine, which has no such family).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -405,3 +410,4 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     device: str = "cpu"
     num_threads: int | None = None
+    frontend_pid: int | None = None

@@ -1,9 +1,11 @@
 """The thread governor runs every core unless a foreign process holds one for several intervals; kilat's own
 API process (the engine core's parent) and its other children never count as foreign."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ class FakeMachine:
         monkeypatch.setattr(cpu_threads, "available_cores", lambda: cores)
         monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda _cores: self.busy)
         monkeypatch.setattr(cpu_threads, "_own_seconds", lambda: self.own)
-        monkeypatch.setattr(cpu_threads, "_family_seconds", lambda _parent: dict(self.family))
+        monkeypatch.setattr(cpu_threads, "_family_seconds",
+                            lambda parent: dict(self.family) if parent == API_PID else {})
         monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.t)
 
     def tick(self, gov: cpu_threads.ThreadGovernor, own: float, api: float = 0.0, foreign: float = 0.0,
@@ -44,7 +47,7 @@ def machine(monkeypatch):
 
 
 def test_quiet_machine_uses_every_core(machine):
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     assert gov.num_threads == 2 and torch.get_num_threads() == 2
     assert [machine.tick(gov, own=2.0) for _ in range(5)] == [2] * 5
 
@@ -52,13 +55,13 @@ def test_quiet_machine_uses_every_core(machine):
 def test_own_api_process_is_not_foreign(machine):
     # served at concurrency 16: the API process keeps 0.9 core busy, a light client 0.1 (the old governor
     # counted both, 1.0 core, and ran one thread)
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     assert [machine.tick(gov, own=1.1, api=0.9, foreign=0.1) for _ in range(6)] == [2] * 6
     assert torch.get_num_threads() == 2
 
 
 def test_sustained_foreign_core_drops_a_thread_and_its_end_restores_it(machine):
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     # a spinning neighbour gets half a core while our 2 threads compete with it, then a whole one
     assert [machine.tick(gov, own=1.5, foreign=0.5) for _ in range(3)] == [2, 2, 1]
     assert torch.get_num_threads() == 1
@@ -69,7 +72,7 @@ def test_sustained_foreign_core_drops_a_thread_and_its_end_restores_it(machine):
 
 
 def test_short_spike_keeps_every_thread(machine):
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     assert [machine.tick(gov, own=1.0, foreign=1.0) for _ in range(2)] == [2, 2]
     assert [machine.tick(gov, own=2.0, foreign=0.0) for _ in range(2)] == [2, 2]
     assert [machine.tick(gov, own=1.0, foreign=1.0) for _ in range(2)] == [2, 2]
@@ -78,7 +81,7 @@ def test_short_spike_keeps_every_thread(machine):
 def test_neighbour_met_across_an_idle_spell_drops_a_thread_at_the_first_step(machine):
     # the engine idled for 5 s (nothing measured) while a neighbour spun: that one measurement spans more
     # than SUSTAIN_S of held core, so the first step already runs one thread (the old rule needed 3 steps)
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     assert machine.tick(gov, own=0.0, foreign=1.0, dt=5.0) == 1
     assert machine.tick(gov, own=2.0, foreign=0.0) == 2
     # a 5 s quiet spell then a 1 s spike: not sustained
@@ -87,7 +90,7 @@ def test_neighbour_met_across_an_idle_spell_drops_a_thread_at_the_first_step(mac
 
 
 def test_light_foreign_load_keeps_every_thread(machine):
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     assert [machine.tick(gov, own=1.7, foreign=0.3) for _ in range(5)] == [2] * 5
 
 
@@ -95,7 +98,7 @@ def test_one_thread_per_held_core(monkeypatch):
     before = torch.get_num_threads()
     try:
         machine = FakeMachine(monkeypatch, cores=4)
-        gov = cpu_threads.ThreadGovernor(None)
+        gov = cpu_threads.ThreadGovernor(None, API_PID)
         assert [machine.tick(gov, own=2.5, foreign=1.5) for _ in range(3)] == [4, 4, 2]
         assert [machine.tick(gov, own=3.5, foreign=0.5) for _ in range(3)] == [3, 3, 3]
         assert [machine.tick(gov, own=0.5, foreign=3.5) for _ in range(3)] == [3, 3, 1]  # never below 1
@@ -104,7 +107,7 @@ def test_one_thread_per_held_core(monkeypatch):
 
 
 def test_family_process_that_ends_is_not_foreign(machine):
-    gov = cpu_threads.ThreadGovernor(None)
+    gov = cpu_threads.ThreadGovernor(None, API_PID)
     machine.family[API_PID + 1] = 0.0
     assert [machine.tick(gov, own=1.0, api=0.5) for _ in range(3)] == [2, 2, 2]
     del machine.family[API_PID + 1]  # a sibling exits: its CPU time leaves the sum, which is no foreign load
@@ -112,6 +115,14 @@ def test_family_process_that_ends_is_not_foreign(machine):
     machine.family[API_PID + 2] = 1.0  # a sibling started in this interval: its CPU time counts from 0
     machine.busy += 1.0
     assert machine.tick(gov, own=1.0) == 2 and gov._held[-1][0] == 0
+
+
+def test_in_process_engine_backs_off_from_sibling_workers(machine, monkeypatch):
+    """An offline engine in a process pool's worker has no frontend: the pool's other workers are neighbours
+    like any other (the governor used to take the pool's parent, and so its workers, as kilat's own)."""
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: SimpleNamespace(pid=API_PID))  # a worker
+    gov = cpu_threads.ThreadGovernor(None)
+    assert [machine.tick(gov, own=1.0, api=1.0) for _ in range(3)] == [2, 2, 1]
 
 
 def test_fixed_thread_count(machine):

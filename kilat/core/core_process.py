@@ -10,6 +10,7 @@ idle (docs/architecture.md, "Data flow (`kilat serve`)").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -194,7 +195,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.connect(output_address)
     try:
         try:
-            core = EngineCore(config)
+            core = EngineCore(dataclasses.replace(config, frontend_pid=os.getppid()))
         except Exception as e:
             logger.exception("engine core: loading failed")
             _send(output_socket, EngineCoreOutputs([], EngineStats(), error=f"{type(e).__name__}: {e}"))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import glob
 import logging
 import math
-import multiprocessing
 import os
 import time
 from collections import deque
@@ -89,12 +88,12 @@ def _children(pid: int) -> list[int]:
 
 
 def _family_seconds(parent: int | None) -> dict[int, float]:
-    """CPU-seconds per process of kilat's own family other than this process: the process that started this
-    one with :mod:`multiprocessing` (``parent``: the API process or the offline user's process) and its other
-    children. Empty when this process was not started by :mod:`multiprocessing` (an in-process engine core,
-    whose threads :func:`_own_seconds` counts). This process's own children (structured-output compile
-    workers) are not family: a compile holds a core for as long as it runs, which stalls the torch threads as
-    any neighbour does."""
+    """CPU-seconds per process of kilat's own family other than this process: the engine core's frontend
+    (``parent``: the API process, or the offline user's process, that started the engine-core process) and
+    its other children. Empty for ``None``: an in-process engine (whose threads :func:`_own_seconds` counts)
+    has no family, even when it runs in a process pool's worker (the pool's other workers are neighbours).
+    This process's own children (structured-output compile workers) are not family: a compile holds a core
+    for as long as it runs, which stalls the torch threads as any neighbour does."""
     if parent is None:
         return {}
     me = os.getpid()
@@ -110,6 +109,8 @@ class ThreadGovernor:
 
     Args:
         num_threads: a fixed thread count, or ``None`` to adapt between 1 and :func:`available_cores`.
+        frontend_pid: the process that started this engine-core process (its family is kilat's own load),
+            or ``None`` for an in-process engine.
         interval: seconds between measurements.
 
     Every ``interval`` seconds :meth:`maybe_adjust` measures the foreign load on this process's cores since
@@ -121,11 +122,10 @@ class ThreadGovernor:
     comes back after the first measurement that finds the core free.
     """
 
-    def __init__(self, num_threads: int | None, interval: float = 1.0):
+    def __init__(self, num_threads: int | None, frontend_pid: int | None = None, interval: float = 1.0):
         self.max_threads = num_threads or available_cores()
         self._cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
-        parent = multiprocessing.parent_process()
-        self._parent = None if parent is None else parent.pid
+        self._parent = frontend_pid
         busy = _busy_seconds(self._cores)
         self.adaptive = num_threads is None and busy is not None
         self.interval = interval

@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.threads = ThreadGovernor(config.num_threads) if self.device.type == "cpu" else None
+        self.threads = ThreadGovernor(config.num_threads, config.frontend_pid) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
         self.attn_backend = get_attention_backend(resolve_attention_backend(config.execution.attention_backend,
                                                                             self.device))
