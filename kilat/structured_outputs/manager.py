@@ -392,23 +392,24 @@ class StructuredOutputManager:
                 job.worker = worker
             try:
                 answer = self._probe(worker, job)
-                failure = None
+                timed_out = False
             except TimeoutError:
-                answer = None
-                failure = (f"structured_outputs: grammar compilation took longer than "
-                           f"{self.config.compile_timeout_s:g} s (structured_outputs_config.compile_timeout_s); "
-                           f"simplify the constraint")
+                answer, timed_out = None, True
             if answer is None:  # out of time, killed (cancelled) or crashed: the process is gone or must go
                 self._close_worker(worker)
-                failure = failure or (f"structured_outputs: the grammar compile worker exited with status "
-                                      f"{worker.process.returncode}")
+                if timed_out:  # the constraint's fault
+                    failure = (f"structured_outputs: grammar compilation took longer than "
+                               f"{self.config.compile_timeout_s:g} s "
+                               f"(structured_outputs_config.compile_timeout_s); simplify the constraint")
+                else:
+                    failure = (f"structured_outputs: the grammar compile worker exited with status "
+                               f"{worker.process.returncode}")
                 worker = None
                 with self._lock:
                     if job.subscribers == 0:
                         self._finish(job, "structured_outputs: cancelled")
                     else:
-                        self._finish(job, failure, client_error=failure.startswith("structured_outputs: grammar "
-                                                                                   "compilation took longer"))
+                        self._finish(job, failure, client_error=timed_out)
                 continue
             with self._lock:
                 job.answered = True  # no kill for this job from now on; one that already landed drops the worker
