@@ -19,8 +19,11 @@ import requests
 import zmq
 
 from kilat import LLM, SamplingParams
+from kilat.config import StructuredOutputsConfig
 from kilat.core.core_process import AddRequests, EngineCoreOutputs, EngineCoreProc, Shutdown
 from kilat.core.request import EngineCoreRequest
+from kilat.entrypoints.openai.serving import request_failed
+from kilat.outputs import RequestError
 from kilat.sampling_params import StructuredOutputsParams
 from kilat.structured_outputs import limits
 from tests.server_utils import Server
@@ -88,6 +91,20 @@ def test_constraints_at_the_limits_are_accepted() -> None:
         choice=[f"{i:0{per_choice}d}" for i in range(limits.MAX_CHOICES)]))
     validate_structured_outputs(StructuredOutputsParams(json=_enum_schema(limits.MAX_ENUM_ENTRIES)))
     validate_structured_outputs(StructuredOutputsParams(json=_nested(limits.MAX_SCHEMA_DEPTH - 1)))
+
+
+def test_structured_outputs_config_takes_vllms_backend_key() -> None:
+    assert StructuredOutputsConfig.parse('{"backend": "xgrammar"}').backend == "xgrammar"
+    assert StructuredOutputsConfig.parse({"backend": "auto", "num_workers": 1}).num_workers == 1
+    with pytest.raises(ValueError, match=r"structured_outputs_config.backend must be 'auto' or 'xgrammar' .*"
+                                         r"got 'guidance'"):
+        StructuredOutputsConfig.parse({"backend": "guidance"})
+
+
+def test_a_request_failure_is_a_400_only_when_the_engine_blames_the_request() -> None:
+    assert request_failed(RequestError("structured_outputs: grammar compilation took longer", True)).status == 400
+    server_side = request_failed(RequestError("structured_outputs: grammar compilation failed: worker gone"))
+    assert server_side.status == 500 and server_side.type == "server_error"  # before: the text's prefix decided
 
 
 @pytest.fixture(scope="module")
