@@ -289,8 +289,11 @@ class EngineArgs:
 
     Attributes:
         device: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"`` or ``"cuda"``.
-        num_threads: torch threads on the CPU; ``None`` adapts: one thread per core that other processes leave
-            free, re-measured every second (docs/benchmarks.md says why).
+        num_threads: torch threads on the CPU; ``None`` adapts: one per core, less one per core that a foreign
+            process has held (0.4 core or more) for 3 s, re-measured every second. Foreign: any process but
+            the engine core and its frontend (the API process, or the offline user's) with the frontend's
+            other children; the core's own grammar-compile workers count, as they really hold a core
+            (docs/benchmarks.md says why).
         speculative_config: speculative decoding, as a dict of :class:`SpeculativeConfig` fields or its JSON
             text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; ``None`` turns it off.
         structured_outputs_config: grammar compiles, as a dict of :class:`StructuredOutputsConfig` fields or its
