@@ -1,15 +1,21 @@
 """AsyncLLM's supervision of the engine core without a model: a restart that fails with an error other than
 ``EngineDeadError`` (mkdtemp, fork, zmq) counts as a failed attempt, and the engine ends dead with
-``on_engine_dead`` called instead of staying "restarting" forever."""
+``on_engine_dead`` called instead of staying "restarting" forever; a restarted client hears its core at once."""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
+import threading
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import zmq
 
-from kilat.engine import async_llm
+from kilat.core.core_process import EngineCoreReady
+from kilat.engine import async_llm, core_client
 from kilat.engine.async_llm import AsyncLLM
 from kilat.engine.core_client import EngineCoreClient, EngineDeadError
 
@@ -68,3 +74,59 @@ def test_any_supervision_failure_calls_on_engine_dead(monkeypatch: pytest.Monkey
     engine = _bare_engine(2, dead)
     asyncio.run(asyncio.wait_for(engine._handle_outputs(), 10))
     assert dead == ["the engine core died and could not be restarted (RuntimeError: bug)"]
+
+
+class _ThreadProcess:
+    """A stand-in for the core's process: the target runs in a thread."""
+
+    def __init__(self, target: Any, args: tuple, name: str, daemon: bool):
+        self._thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+        self.exitcode = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def terminate(self) -> None:
+        pass
+
+    kill = terminate
+
+
+def _fake_core(config: object, input_address: str, output_address: str) -> None:
+    """Ready at once, then five messages 0.2 s apart, each the time it was sent."""
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_address)
+    out.send(pickle.dumps(EngineCoreReady(None, 64)))
+    for _ in range(5):
+        time.sleep(0.2)
+        out.send(pickle.dumps(time.monotonic()))
+    out.close(linger=1000)
+    ctx.term()
+
+
+def test_restarted_client_hears_its_core_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that was shut down used to leave its asyncio socket's reader in the event loop under an fd
+    number that the next client's socket reuses: that socket was never woken again, and each message waited
+    for the 1 s poll timeout."""
+    monkeypatch.setattr(core_client, "run_engine_core", _fake_core)
+    monkeypatch.setattr(core_client.multiprocessing, "get_context",
+                        lambda method: SimpleNamespace(Process=_ThreadProcess))
+
+    async def rounds() -> list[list[float]]:
+        latencies = []
+        for _ in range(3):
+            client = await EngineCoreClient.start(None)  # type: ignore[arg-type]
+            latencies.append([time.monotonic() - await client._next_message() for _ in range(5)])
+            client.process.join()
+            client.shutdown()
+        return latencies
+
+    latencies = asyncio.run(rounds())
+    assert all(lat < 0.5 for round_ in latencies for lat in round_), latencies

@@ -7,7 +7,6 @@ import itertools
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -110,17 +109,18 @@ def _kill_core_mid_stream(server: Server) -> list[str]:
     return lines
 
 
-def _median_token_gap(server: Server) -> float:
-    """Median seconds between the SSE chunks of a greedy 16-token stream (the first chunk not counted)."""
-    body = {"prompt": "Hello", "max_tokens": 16, "ignore_eos": True, "temperature": 0, "stream": True}
+def _slow_token_gaps(server: Server) -> int:
+    """How many gaps of 0.9 s or more lie between the SSE chunks of a greedy 128-token stream (the first
+    chunk not counted). A frontend that hears of core outputs only at its 1 s poll timeout gets them in
+    bursts, about one such gap per second of the stream; a healthy one none, unless the machine stalls."""
+    body = {"prompt": "Hello", "max_tokens": 128, "ignore_eos": True, "temperature": 0, "stream": True}
     times = []
-    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=300) as r:
         assert r.status_code == 200, r.text
         for line in r.iter_lines(decode_unicode=True):
             if line.startswith("data: {"):
                 times.append(time.monotonic())
-    assert len(times) >= 16, times
-    return statistics.median(b - a for a, b in itertools.pairwise(times[1:]))
+    return sum(b - a >= 0.9 for a, b in itertools.pairwise(times[1:]))
 
 
 def _wait_health(server: Server, status: int, timeout_s: float) -> None:
@@ -139,7 +139,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
     server = Server(str(model), *SMALL_KV, "--max-engine-core-restarts", "2")
     try:
         first_core = server.engine_core_pid()
-        gap_before = _median_token_gap(server)
+        slow_before = _slow_token_gaps(server)
         lines = _kill_core_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
         _wait_health(server, 503, 10)
@@ -158,10 +158,13 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert scrape_metrics(server.url)["kilat:engine_core_restarts_total"] == 1
         assert server.engine_core_pid() != first_core
-        # The old client's output socket used to stay registered in the event loop under the fd number that
-        # the new one reuses: every core message then waited for the 1 s poll timeout.
-        gap_after = _median_token_gap(server)
-        assert gap_after < min(0.9, 2 * gap_before + 0.3), (gap_before, gap_after)
+        # Tokens stream after a restart as before it (compared with the same stream before the kill, with a
+        # gap of slack for a machine that stalls once): when the old client's output socket stayed in the
+        # event loop under an fd number that the new one reused, core messages waited for the 1 s poll
+        # timeout. Whether the number is reused depends on what else opened fds meanwhile, so
+        # tests/test_engine_restart.py checks the socket itself.
+        slow_after = _slow_token_gaps(server)
+        assert slow_after <= slow_before + 1, (slow_before, slow_after)
 
         model.unlink()  # the next restart fails to load: restart 2 of 2 is the last
         os.kill(server.engine_core_pid(), signal.SIGKILL)
