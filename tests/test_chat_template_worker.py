@@ -42,6 +42,15 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+async def render_once(processor: InputProcessor, call: dict[str, Any]) -> str:
+    """Render ``call`` in a new worker, then close it."""
+    worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
+    try:
+        return await worker.render(call)
+    finally:
+        await worker.close()
+
+
 @pytest.mark.parametrize("template, generation, kwargs", [
     (None, False, {}),  # the model's own template, continuing the final message
     (TOOL_TEMPLATE, True, {"greeting": "!"}),
@@ -50,15 +59,8 @@ def test_renders_as_the_tokenizer(processor: InputProcessor, template: str | Non
                                   kwargs: dict[str, Any]) -> None:
     call = processor.chat_template_call(MESSAGES, generation, not generation, template, TOOLS, kwargs)
 
-    async def render() -> str:
-        worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
-        try:
-            return await worker.render(call)
-        finally:
-            await worker.close()
-
     expected = processor.apply_chat_template(MESSAGES, generation, not generation, template, TOOLS, kwargs)
-    assert run(render()) == expected
+    assert run(render_once(processor, call)) == expected
     assert expected.endswith("<|im_start|>assistant\nHello" if template is None else
                              "<assistant>Hello[get_weather]!<assistant>")
 
@@ -114,15 +116,8 @@ def test_child_that_cannot_start_is_unavailable(processor: InputProcessor, monke
     monkeypatch.setattr(sys, "executable", "/bin/false")  # exits at once, reading nothing
     call = processor.chat_template_call(MESSAGES, True, False, TOOL_TEMPLATE, None, None)
 
-    async def render() -> str:
-        worker = ChatTemplateWorker(processor.tokenizer, processor.max_prompt_chars)
-        try:
-            return await worker.render(call)
-        finally:
-            await worker.close()
-
     with pytest.raises(RendererUnavailable, match="the chat-template renderer process failed to start"):
-        run(render())
+        run(render_once(processor, call))
 
 
 def test_stray_print_in_the_child_does_not_corrupt_replies() -> None:
