@@ -15,6 +15,7 @@ import pytest
 from kilat.engine.input_processor import InputProcessor
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker, RendererUnavailable
+from tests.server_utils import pid_alive
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -28,14 +29,6 @@ TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor 
 @pytest.fixture(scope="module")
 def processor() -> InputProcessor:
     return InputProcessor(get_tokenizer(), vocab_size=49152, max_model_len=2048, eos_token_id=2)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def run(coro: Any) -> Any:
@@ -78,7 +71,7 @@ def test_slow_template_is_killed_and_the_worker_restarts(processor: InputProcess
                 await worker.render(processor.chat_template_call(MESSAGES[:2], True, False, NESTED_LOOPS))
             assert time.monotonic() - start < 10
             await asyncio.sleep(0.2)
-            assert worker.pid is None and not alive(first)
+            assert worker.pid is None and not pid_alive(first)
             assert await worker.render(good) == "<system>Be brief.<user>Hi<assistant>"
             assert worker.pid not in (None, first)
         finally:
@@ -148,7 +141,7 @@ def test_cancelled_render_kills_the_child(processor: InputProcessor) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
             await asyncio.sleep(0.2)
-            assert pid is not None and not alive(pid)
+            assert pid is not None and not pid_alive(pid)
         finally:
             await worker.close()
 
