@@ -1,0 +1,169 @@
+"""The weight-quantized matmul kernels (``kilat.model_executor.layers.quantization.kernels``).
+
+Tolerances follow the arithmetic. ``absdot = |x| @ (|q| |scale| + |zero|)^T`` bounds the magnitude of every term
+either computation rounds. Float32: both sides round ``K`` + a few products/sums of at most ``absdot`` with unit
+roundoff ``u = 2^-24`` each, so they differ by at most ``2 (K + 4) u absdot``. Bfloat16: the reference rounds the
+weight to bfloat16 (relative ``2^-9``) and both round the output (``2^-9`` of ``|y| <= absdot``) after float32
+accumulation, so they differ by at most ``3 * 2^-9 absdot`` plus float32 terms; ``2^-7 absdot`` is used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization.kernels import (
+    QuantWeight,
+    dequantize,
+    embedding,
+    pack_weight,
+    quant_linear,
+)
+
+
+def make_weight(bits: int, n: int, k: int, group: int, seed: int = 0, zero: bool = True,
+                half_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random ``q`` (full range of ``bits``), ``scale`` and ``zero`` (``[N, K // group]``)."""
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    z = (torch.randn(n, k // group, generator=g) * 0.05) if zero else None
+    if half_scales:
+        scale = scale.half().float()
+        z = z.half().float() if z is not None else None
+    return q, scale, z
+
+
+def reference_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``q * scale + zero`` in float32, the groups broadcast along K."""
+    group = q.shape[1] // scale.shape[1]
+    w = q.to(torch.float32) * scale.repeat_interleave(group, dim=1)
+    return w + zero.repeat_interleave(group, dim=1) if zero is not None else w
+
+
+def abs_dot(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``|x| @ (|q| |scale| + |zero|)^T`` in float64 (the magnitude bound in the module docstring)."""
+    group = q.shape[1] // scale.shape[1]
+    mag = q.to(torch.float64).abs() * scale.double().abs().repeat_interleave(group, dim=1)
+    if zero is not None:
+        mag = mag + zero.double().abs().repeat_interleave(group, dim=1)
+    return x.double().abs() @ mag.T
+
+
+TOL = {torch.float32: None, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -9}
+
+SHAPES = [  # (bits, N, K, G): every group size, K not a multiple of 64, N not a multiple of 16, per-channel
+    (4, 40, 48, 16), (4, 33, 160, 32), (4, 24, 192, 64), (4, 20, 384, 128), (4, 17, 37, 37),
+    (8, 40, 48, 16), (8, 33, 160, 32), (8, 24, 192, 64), (8, 20, 384, 128), (8, 19, 75, 75), (8, 16, 576, 576),
+]
+
+
+@pytest.mark.parametrize("bits,n,k,group", SHAPES)
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_pack_dequantize_is_exact(bits: int, n: int, k: int, group: int, half_scales: bool) -> None:
+    q, scale, zero = make_weight(bits, n, k, group, half_scales=half_scales)
+    w = pack_weight(q, scale, zero, bits)
+    assert (w.bits, w.group_size, w.out_features, w.in_features) == (bits, group, n, k)
+    # float16 storage only where exact
+    assert w.scales.dtype == (torch.float16 if half_scales else torch.float32)
+    assert torch.equal(dequantize(w), reference_weight(q, scale, zero))
+    assert torch.equal(dequantize(w, torch.bfloat16), reference_weight(q, scale, zero).to(torch.bfloat16))
+
+
+def test_pack_without_zero_and_q4_1_mapping() -> None:
+    """``zero=None`` is 0; a Q4_1 block (w = d q + m) packs with scale d and zero m, bit-exactly."""
+    q, scale, _ = make_weight(4, 16, 64, 32, half_scales=True)
+    w = pack_weight(q, scale, None, 4)
+    assert torch.equal(dequantize(w), reference_weight(q, scale, None))
+    d = torch.tensor([[0.0123]]).half().float().expand(16, 2).contiguous()
+    m = torch.tensor([[-0.1]]).half().float().expand(16, 2).contiguous()
+    w = pack_weight(q, d, m, 4)
+    assert w.scales.dtype == torch.float16
+    expect = d[0, 0] * q.float() + m[0, 0]
+    assert torch.equal(dequantize(w), expect)
+
+
+def run_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force the torch path, or require the native one."""
+    if backend == "torch":
+        monkeypatch.setattr(kernels, "native_ops", lambda: None)
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("bits,n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
+                                                    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_backend(backend, monkeypatch)
+    q, scale, zero = make_weight(bits, n, k, group, seed=m)
+    w = pack_weight(q, scale, zero, bits)
+    g = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if m != 3 else None
+    y = quant_linear(x, w, bias)
+    ref = F.linear(x, dequantize(w, dtype), bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    bound = abs_dot(x, q, scale, zero)
+    if bias is not None:
+        bound = bound + bias.double().abs()
+    tol = 2 * (k + 4) * 2.0 ** -24 * bound if TOL[dtype] is None else TOL[dtype] * bound
+    err = (y.double() - ref.double()).abs()
+    assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} over tolerance"
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+def test_quant_linear_keeps_leading_dims(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_backend(backend, monkeypatch)
+    q, scale, zero = make_weight(4, 32, 64, 32)
+    w = pack_weight(q, scale, zero, 4)
+    x = torch.randn(2, 3, 64)
+    y = quant_linear(x, w)
+    assert y.shape == (2, 3, 32)
+    torch.testing.assert_close(y, F.linear(x, dequantize(w)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits,n,k,group", [(4, 40, 64, 32), (8, 33, 75, 75)])
+def test_embedding_rows(bits: int, n: int, k: int, group: int) -> None:
+    q, scale, zero = make_weight(bits, n, k, group)
+    w = pack_weight(q, scale, zero, bits)
+    ids = torch.tensor([[0, 17, n - 1], [5, 5, 16]])
+    rows = embedding(ids, w, torch.bfloat16)
+    assert rows.shape == (2, 3, k) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, reference_weight(q, scale, zero)[ids].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="ids must be in"):
+        embedding(torch.tensor([n]), w, torch.float32)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(q=torch.zeros(4, 32, dtype=torch.int8), bits=4), "q must be a 2-D torch.uint8"),
+    (dict(q=torch.full((4, 32), 16, dtype=torch.uint8), bits=4), "values 0..15"),
+    (dict(q=torch.zeros(4, 32, dtype=torch.uint8), bits=3), "bits must be 4 or 8"),
+    (dict(q=torch.zeros(4, 32, dtype=torch.uint8), bits=4, scale=torch.ones(4, 3)), "scale must have shape"),
+    (dict(q=torch.zeros(4, 32, dtype=torch.uint8), bits=4, scale=torch.ones(4, 4)), "multiple of 16"),
+    (dict(q=torch.zeros(4, 32, dtype=torch.uint8), bits=4, zero=torch.ones(4, 1)), "zero must have the shape"),
+    (dict(q=torch.zeros(4, 32, dtype=torch.uint8), bits=4, scale=torch.full((4, 2), float("inf"))), "finite"),
+])
+def test_pack_weight_rejects_bad_input(args: dict, match: str) -> None:
+    args.setdefault("scale", torch.ones(4, 2))
+    args.setdefault("zero", None)
+    with pytest.raises(ValueError, match=match):
+        pack_weight(args["q"], args["scale"], args["zero"], args["bits"])
+
+
+def test_quant_linear_rejects_wrong_features() -> None:
+    q, scale, zero = make_weight(4, 16, 32, 32)
+    with pytest.raises(ValueError, match="32 features"):
+        quant_linear(torch.randn(1, 31), pack_weight(q, scale, zero, 4))
+
+
+def test_quant_weight_reports_bytes() -> None:
+    q, scale, zero = make_weight(4, 40, 64, 32, half_scales=True)
+    w: QuantWeight = pack_weight(q, scale, zero, 4)
+    # 48 padded rows x 64 columns / 2 bytes, plus 48 rows x 2 groups x (scale, zero) in float16
+    assert w.nbytes == 48 * 32 + 48 * 2 * 2 * 2
