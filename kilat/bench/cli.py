@@ -1,4 +1,4 @@
-"""``kilat bench serve|throughput|latency`` argument parsing and reports."""
+"""``kilat bench serve|throughput|latency|quality`` argument parsing and reports."""
 
 from __future__ import annotations
 
@@ -153,9 +153,11 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 def add_bench_parser(sub: Any) -> None:
     """Register ``kilat bench`` and its subcommands."""
     from kilat.bench.offline import add_latency_args, add_throughput_args, cmd_latency, cmd_throughput
+    from kilat.bench.quality import add_quality_args, cmd_quality
     from kilat.entrypoints.cli import HelpFormatter
 
-    bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency)",
+    bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput, latency, "
+                                         "quality)",
                            formatter_class=HelpFormatter)
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="KIND", help="what to measure")
     serve = kinds.add_parser("serve", help="measure any OpenAI-compatible server", formatter_class=HelpFormatter)
@@ -169,3 +171,7 @@ def add_bench_parser(sub: Any) -> None:
                                formatter_class=HelpFormatter)
     add_latency_args(latency)
     latency.set_defaults(func=cmd_latency)
+    quality = kinds.add_parser("quality", help="perplexity on a bundled text and greedy agreement with a reference "
+                               "configuration", formatter_class=HelpFormatter)
+    add_quality_args(quality)
+    quality.set_defaults(func=cmd_quality)
