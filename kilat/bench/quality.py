@@ -252,7 +252,7 @@ def cmd_quality(ns: argparse.Namespace) -> dict[str, Any]:
     run = evaluate(args, windows, conversations, ns.max_tokens)
     ref = evaluate(ref_args, windows, conversations, ns.max_tokens)
     result = {
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": shlex.join(["kilat", *sys.argv[1:]] if sys.argv[1:3] == ["bench", "quality"] else sys.argv),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "kilat_commit": _git_commit(), "machine": _machine(),
         "text": QUALITY_TEXT.name, "text_tokens": len(token_ids), "window_len": ns.window_len,
