@@ -52,6 +52,12 @@ class ModelConfig:
         seed: seed for dummy weights and for unseeded sampling.
         skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids, outputs carry token
             ids and empty text, stop strings are refused. For dummy shapes that have no tokenizer.
+        quantization: how linear weights are stored and multiplied (vLLM's ``--quantization``): ``None``
+            takes the checkpoint's own (config.json ``quantization_config``) or none; ``"int8"`` / ``"int4"``
+            quantize a 16/32-bit checkpoint at load; ``"gguf"`` keeps a GGUF file's blocks. See
+            docs/quantization.md.
+        quantization_config: the method's settings as a dict or its JSON text, e.g. ``{"group_size": 64}``
+            for ``int4``; they override a checkpoint's own.
     """
 
     model: str | None = None
@@ -61,8 +67,22 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    quantization: str | None = None
+    quantization_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None:
+            from kilat.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+            _check(self.quantization in QUANTIZATION_METHODS, "quantization",
+                   f"must be one of {sorted(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if isinstance(self.quantization_config, str):
+            try:
+                self.quantization_config = json.loads(self.quantization_config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"quantization_config must be a JSON object: {e}") from None
+        _check(self.quantization_config is None or isinstance(self.quantization_config, dict),
+               "quantization_config", f"must be a JSON object, got {type(self.quantization_config).__name__}")
         _check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype",
                f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format",
@@ -307,6 +327,8 @@ class EngineArgs:
     max_model_len: int | None = ModelConfig.max_model_len
     seed: int = ModelConfig.seed
     skip_tokenizer_init: bool = ModelConfig.skip_tokenizer_init
+    quantization: str | None = ModelConfig.quantization
+    quantization_config: str | dict[str, Any] | None = ModelConfig.quantization_config
     block_size: int = CacheConfig.block_size
     kv_cache_memory: int | None = field(default=CacheConfig.kv_cache_memory, metadata={"size": True})
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -341,14 +363,15 @@ class EngineArgs:
         """Validate and split into an :class:`EngineConfig`.
 
         Checks what the engine core would otherwise find only after loading the weights: the device exists,
-        the attention backend runs on it, and ``max_model_len`` fits the model's ``max_position_embeddings``
-        (read from config.json or the GGUF header, not the weights). Logs a warning for each flag that the
+        the attention backend runs on it, ``max_model_len`` fits the model's ``max_position_embeddings``
+        (read from config.json or the GGUF header, not the weights), and the quantization method fits the
+        checkpoint, dtype and device. Logs a warning for each flag that the
         device ignores (``gpu_memory_utilization`` and ``enforce_eager`` on the CPU, ``kv_cache_memory`` on
         CUDA).
 
         Raises:
-            ValueError: an invalid value, an unusable device or backend, an unresolvable model, or
-                ``max_model_len`` above the model's limit, named.
+            ValueError: an invalid value, an unusable device or backend, an unresolvable model,
+                ``max_model_len`` above the model's limit, or a quantization that does not fit, named.
         """
         device = self.device
         if device == "auto":
@@ -367,7 +390,9 @@ class EngineArgs:
 
         speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
         structured_outputs = StructuredOutputsConfig.parse(self.structured_outputs_config or {})
-        return EngineConfig(model=build(ModelConfig), cache=build(CacheConfig), scheduler=build(SchedulerConfig),
+        model = build(ModelConfig)
+        _check_quantization(model, device)
+        return EngineConfig(model=model, cache=build(CacheConfig), scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
 
@@ -394,6 +419,23 @@ class EngineArgs:
         model_max = source_max_position_embeddings(resolve_model_source(self.model, self.load_format))
         _check(self.max_model_len <= model_max, "max_model_len",
                f"must be <= the model's max_position_embeddings ({model_max}), got {self.max_model_len}")
+
+
+def _check_quantization(model: ModelConfig, device: str) -> None:
+    """Resolve the model's quantization from metadata only (config.json, never the weights), so a method
+    that does not fit the checkpoint, dtype or device fails before the engine loads anything.
+
+    Raises:
+        ValueError: see :func:`kilat.model_executor.layers.quantization.resolve_quantization`.
+    """
+    from kilat.model_executor.layers.quantization import resolve_quantization
+    from kilat.model_executor.loader.model_loader import checkpoint_dtype, get_hf_config
+    from kilat.model_executor.loader.source import resolve_model_source
+
+    source = resolve_model_source(model.model, model.load_format)
+    stated = None if source.kind == "gguf" else checkpoint_dtype(get_hf_config(source))
+    resolve_quantization(model.quantization, model.quantization_config, source.kind, source.path,
+                         resolve_dtype(model.dtype, stated), device)
 
 
 @dataclass

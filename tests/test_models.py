@@ -144,7 +144,7 @@ def test_decode_only_batch(checkpoint: tuple[Path, torch.nn.Module]) -> None:
 
 
 def _packed(model: torch.nn.Module) -> list[bool]:
-    return [m.packed for m in model.modules() if isinstance(m, Linear)]
+    return [m.quant_method.packed for m in model.modules() if isinstance(m, Linear)]
 
 
 def test_bfloat16_processed_weights_match_plain(checkpoint: tuple[Path, torch.nn.Module]) -> None:

@@ -1,15 +1,18 @@
-"""Model building blocks: linear, rotary embedding, RMSNorm, SiLU-and-mul, embedding."""
+"""Model building blocks: linear (with its quantization methods), rotary embedding, RMSNorm, SiLU-and-mul,
+embedding."""
 
 from kilat.model_executor.layers.activation import silu_and_mul
 from kilat.model_executor.layers.embedding import VocabEmbedding
 from kilat.model_executor.layers.layernorm import RMSNorm
-from kilat.model_executor.layers.linear import FusedLinear, Linear, can_pack
+from kilat.model_executor.layers.linear import FusedLinear, Linear
+from kilat.model_executor.layers.quantization import QuantizationConfig, can_pack
 from kilat.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rope_parameters
 from kilat.model_executor.layers.weights import process_weights_after_loading
 
 __all__ = [
     "FusedLinear",
     "Linear",
+    "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
     "VocabEmbedding",

@@ -1,87 +1,81 @@
-"""Linear layers: a plain linear, a fused (stacked) linear, and oneDNN weight packing for CPU bfloat16."""
+"""Linear layers: a plain linear and a fused (stacked) linear, each applying its weight through a
+quantization method (:mod:`kilat.model_executor.layers.quantization`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kilat.model_executor.layers.quantization import QuantizationConfig, UnquantizedLinearMethod
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with uninitialized parameters (weights come from the loader).
 
+    What the layer holds and how it multiplies is its ``quant_method``'s: the config's method for this
+    layer, or :class:`UnquantizedLinearMethod` (dense, oneDNN-packed on CPU bfloat16) without one.
+
     Args:
         input_size, output_size: feature sizes.
-        bias: whether to hold a bias.
-        dtype: parameter dtype (default: torch's default dtype).
+        bias: whether to hold a bias (always in ``dtype``).
+        dtype: parameter and activation dtype (default: torch's default dtype).
+        quant_config: the model's quantization, or ``None``.
+        prefix: the layer's parameter-name prefix (``model.layers.0.self_attn.o_proj``), for per-layer choices.
+        output_sizes: the stacked shards' sizes (:class:`FusedLinear`); default ``[output_size]``.
 
     Shapes: ``x [..., input_size] -> [..., output_size]``.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", *,
+                 output_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.output_sizes = list(output_sizes or [output_size])
+        self.prefix = prefix
+        self.quant_method = (quant_config.get_linear_method(self, prefix) if quant_config is not None
+                             else UnquantizedLinearMethod())
+        self.quant_method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
-        self.packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., input_size] -> [..., output_size]`` in the weight dtype."""
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        """``x [..., input_size] -> [..., output_size]``."""
+        return self.quant_method.apply(self, x)
+
+    def load_weight(self, name: str, tensor: Any, shard: int | None = None) -> None:
+        """Load checkpoint tensor ``name`` (``"weight"``, ``"bias"``, or a method's own, e.g. ``"qweight"``),
+        into rows ``shard`` of a fused layer when given, through the quantization method.
+
+        Raises:
+            ValueError: an unknown name or a shape mismatch.
+        """
+        self.quant_method.load_weight(self, name, tensor, shard)
 
     def process_weights_after_loading(self) -> None:
-        """On CPU in bfloat16, replace the weight by a oneDNN-blocked copy (no-op elsewhere).
-
-        oneDNN's blocked layout (the one ``torch.compile``'s CPU backend uses) makes bf16 matmuls ~1.3x
-        faster than ``F.linear`` on row-major weights. ``weight`` then is an opaque ``torch._mkldnn`` tensor;
-        a weight shared with another module (tied ``lm_head``) gets its own packed copy.
-        """
-        if self.packed or not can_pack(self.weight.dtype, self.weight.device):
-            return
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.packed = True
+        """Let the quantization method derive its inference-time weights (packing, quantizing)."""
+        self.quant_method.process_weights_after_loading(self)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, bias={self.bias is not None}, "
-                f"packed={self.packed}")
+                f"method={self.quant_method.describe()}")
 
 
 class FusedLinear(Linear):
     """Several linears of the same input stacked along the output (``qkv_proj``, ``gate_up_proj``).
 
-    One matmul instead of several; checkpoints keep them separate, so :meth:`load_shard` copies each
+    One matmul instead of several; checkpoints keep them separate, so :meth:`load_weight` copies each
     shard into its rows.
 
     Args:
         input_size: input features.
         output_sizes: output features of each shard, in stacking order.
-        bias, dtype: as :class:`Linear`.
+        bias, dtype, quant_config, prefix: as :class:`Linear`.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
-        self.output_sizes = list(output_sizes)
-
-    def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` (``[output_sizes[shard], ...]``) into rows of ``param`` (this layer's weight or bias).
-
-        Raises:
-            ValueError: on a shape mismatch.
-        """
-        start = sum(self.output_sizes[:shard])
-        target = param.data[start:start + self.output_sizes[shard]]
-        if target.shape != tensor.shape:
-            raise ValueError(f"shard {shard} expects shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
-        target.copy_(tensor)
-
-
-def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether :meth:`Linear.process_weights_after_loading` packs: CPU, bfloat16 and oneDNN bf16 support."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                 dtype: torch.dtype | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(input_size, sum(output_sizes), bias, dtype, quant_config, prefix, output_sizes=output_sizes)

@@ -9,7 +9,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
     """Let every layer derive its inference-time weights once the checkpoint is loaded.
 
     Calls ``process_weights_after_loading()`` on each submodule that defines it (vLLM's convention):
-    :class:`~kilat.model_executor.layers.linear.Linear` packs for oneDNN on CPU bfloat16,
+    :class:`~kilat.model_executor.layers.linear.Linear` lets its quantization method pack or quantize,
     :class:`~kilat.model_executor.layers.layernorm.RMSNorm` caches its doubled weight.
     """
     for module in model.modules():

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kilat.config import ModelConfig, resolve_dtype
 from kilat.model_executor.layers import Linear, process_weights_after_loading
+from kilat.model_executor.layers.quantization import resolve_quantization
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS, init_dummy_weights
 from kilat.model_executor.loader.gguf import converted_gguf_dir
 from kilat.model_executor.loader.source import ModelSource, resolve_model_source
@@ -56,8 +58,10 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     """Resolve, build and load the model of ``model_config`` on ``device``, ready for inference.
 
     The dtype follows :func:`kilat.config.resolve_dtype`: a GGUF checkpoint counts as stating no dtype (so
-    ``"auto"`` gives bfloat16); an HF checkpoint's ``dtype``/``torch_dtype`` is honoured. On CPU in
-    bfloat16 the linear weights are then packed for oneDNN (:func:`process_weights_after_loading`).
+    ``"auto"`` gives bfloat16); an HF checkpoint's ``dtype``/``torch_dtype`` is honoured. The linear layers'
+    quantization method comes from :func:`resolve_quantization`; after loading, each method derives its
+    inference-time weights (:func:`process_weights_after_loading`: dense bfloat16 weights are packed for
+    oneDNN on CPU, online methods quantize).
 
     Returns:
         ``(model, hf_config, torch_dtype)``; the model is in eval mode with ``requires_grad=False`` params.
@@ -69,9 +73,11 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     source = resolve_model_source(model_config.model, model_config.load_format)
     config = get_hf_config(source)
     dtype = resolve_dtype(model_config.dtype, None if source.kind == "gguf" else checkpoint_dtype(config))
+    quant_config = resolve_quantization(model_config.quantization, model_config.quantization_config, source.kind,
+                                        source.path, dtype, torch.device(device).type)
     model_class = get_model_class(config.architectures[0])
     with torch.device(device):
-        model = model_class(config, dtype)
+        model = model_class(config, dtype, quant_config)
     if source.kind == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
@@ -80,11 +86,11 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     num_params = sum(p.numel() for p in model.parameters())
     process_weights_after_loading(model)
     model.eval()
-    packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
-    logger.info("loaded %s (%s, %s weights from %s) on %s in %s: %.1fM params, %d layers%s in %.1f s",
+    methods = Counter(m.quant_method.describe() for m in model.modules() if isinstance(m, Linear))
+    logger.info("loaded %s (%s, %s weights from %s) on %s in %s: %.1fM params, %d layers, linears: %s in %.1f s",
                 config.architectures[0], config.model_type, source.kind, source.path, device,
                 str(dtype).removeprefix("torch."), num_params / 1e6, model.num_layers,
-                f", {packed} linears packed for oneDNN" if packed else "", time.perf_counter() - started)
+                ", ".join(f"{n} {name}" for name, n in methods.items()), time.perf_counter() - started)
     return model, config, dtype
 
 

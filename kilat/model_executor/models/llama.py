@@ -20,6 +20,7 @@ from kilat.model_executor.attention import Attention
 from kilat.model_executor.layers import (
     FusedLinear,
     Linear,
+    QuantizationConfig,
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
     """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
@@ -69,8 +70,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = q_size, kv_size
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = FusedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias or attention_bias,
-                                    dtype)
-        self.o_proj = Linear(q_size, config.hidden_size, attention_bias, dtype)
+                                    dtype, quant_config, f"{prefix}.qkv_proj")
+        self.o_proj = Linear(q_size, config.hidden_size, attention_bias, dtype, quant_config, f"{prefix}.o_proj")
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -97,11 +98,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with ``gate`` and ``up`` fused."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype, quant_config,
+                                        f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype, quant_config,
+                                f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``."""
@@ -112,12 +116,14 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is carried separately so each norm fuses its add."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype, quant_config,
+                                        f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +140,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None,
+                 quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype, quant_config)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, inv_freq,
@@ -164,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
         dtype: parameter and activation dtype.
+        quant_config: how the linear layers hold their weights (``None``: dense in ``dtype``).
 
     Attributes:
         num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer.
@@ -172,12 +180,13 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
     qk_norm: ClassVar[bool] = False  # RMSNorm of each q/k head before rotary
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype)
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, quant_config, "lm_head")
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_layers = config.num_hidden_layers
@@ -204,20 +213,24 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named checkpoint tensors into this model's (fused) parameters.
 
         ``*.q_proj``/``k_proj``/``v_proj`` go into shards of ``qkv_proj``, ``gate_proj``/``up_proj`` into
-        ``gate_up_proj``; tensors are converted to the parameter dtype and device. Rotary ``inv_freq`` buffers
-        and, for tied models, ``lm_head.weight`` are ignored.
+        ``gate_up_proj``. A linear layer's tensors go through its quantization method (``Linear.load_weight``:
+        dense tensors are converted to the parameter dtype; a quantized checkpoint's ``qweight``/``scales``/...
+        or GGUF blocks are the method's own); others are copied into the parameter. Rotary ``inv_freq``
+        buffers and, for tied models, ``lm_head.weight`` are ignored.
 
         Raises:
             ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
                 the checkpoint does not provide.
         """
-        params = dict(self.named_parameters())
-        fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         expected = set()
         for name in params:
             module_name = name.rpartition(".")[0]
-            shards = range(len(fused[module_name].output_sizes)) if module_name in fused else [None]
-            expected.update((name, shard) for shard in shards)
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            shards = range(len(linears[module_name].output_sizes)) if module_name in linears else [None]
+            expected.update((name, None if len(shards) == 1 else shard) for shard in shards)
 
         loaded, unexpected = set(), []
         for name, tensor in weights:
@@ -230,16 +243,15 @@ class LlamaForCausalLM(nn.Module):
                 leaf, shard = _STACKED[leaf]
                 module_name = f"{parent}.{leaf}"
             target = f"{module_name}.{attr}"
-            param = params.get(target)
-            if param is None:
+            if module_name in linears and target in params:
+                linears[module_name].load_weight(attr, tensor, shard)
+            elif target not in params or shard is not None:
                 unexpected.append(name)
                 continue
-            if shard is not None:
-                fused[module_name].load_shard(param, shard, tensor)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+            elif params[target].shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(params[target].shape)}, got {tuple(tensor.shape)}")
             else:
-                param.data.copy_(tensor)
+                params[target].data.copy_(tensor)
             loaded.add((target, shard))
 
         missing = sorted(f"{name}" + (f" (shard {shard})" if shard is not None else "")

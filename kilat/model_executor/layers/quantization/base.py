@@ -1,0 +1,98 @@
+"""The quantization seam: a method object per linear layer, chosen by a per-model quantization config.
+
+Follows vLLM's quantize methods (``QuantizationConfig.get_quant_method`` → ``LinearMethodBase`` with
+``create_weights`` / ``process_weights_after_loading`` / ``apply``). A :class:`LinearMethod` instance belongs to
+one layer and keeps that layer's derived state (packed weights); the layer keeps only what the checkpoint
+loads into.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kilat.model_executor.layers.linear import Linear
+
+
+class LinearMethod(ABC):
+    """How one linear layer holds, loads and applies its weight.
+
+    The default :meth:`create_weights` and :meth:`load_weight` hold a dense ``weight [out, in]`` parameter in
+    the layer's dtype (methods that quantize at load time keep them and convert in
+    :meth:`process_weights_after_loading`); a method whose checkpoint stores something else overrides both.
+    """
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        """Register the parameters the checkpoint loads into on ``layer`` (default: dense ``weight``)."""
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
+                                    requires_grad=False)
+
+    def load_weight(self, layer: Linear, name: str, tensor: Any, shard: int | None) -> None:
+        """Copy the checkpoint tensor ``name`` (``"weight"``, ``"bias"``, ...) into ``layer``, or into rows
+        ``shard`` of a fused layer (``layer.output_sizes[shard]`` rows).
+
+        Raises:
+            ValueError: no such parameter or a shape mismatch (names the shapes).
+        """
+        param = getattr(layer, name, None)
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"{type(layer).__name__} has no parameter {name!r}")
+        target = param.data
+        if shard is not None:
+            start = sum(layer.output_sizes[:shard])
+            target = target[start:start + layer.output_sizes[shard]]
+        if target.shape != tensor.shape:
+            where = f"shard {shard} of {name}" if shard is not None else name
+            raise ValueError(f"{where}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+        target.copy_(tensor)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - optional hook
+        """Derive the inference-time weights once every checkpoint tensor is loaded (default: nothing)."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] -> x @ W.T + bias [..., out]`` in ``x``'s dtype."""
+
+    def describe(self) -> str:
+        """A short name for start-up logs, e.g. ``"int4 g32"``."""
+        return type(self).__name__
+
+
+class QuantizationConfig(ABC):
+    """One quantization method's settings for a model (a dataclass validated on construction in subclasses).
+
+    Attributes:
+        name: the registry name (``--quantization``).
+        online: whether it quantizes a 16/32-bit checkpoint at load time (``int8``, ``int4``, ``fp8``);
+            otherwise it needs a checkpoint stored in its format.
+    """
+
+    name: ClassVar[str]
+    online: ClassVar[bool] = False
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> QuantizationConfig:
+        """Build from user options (``quantization_config`` engine argument) merged over a checkpoint's own
+        ``quantization_config``; the default accepts exactly the dataclass's fields.
+
+        Raises:
+            ValueError: an unknown key or an invalid value, named.
+        """
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"quantization_config: unknown key(s) {unknown} for quantization {cls.name!r}; "
+                             f"known: {sorted(names)}")
+        return cls(**options)
+
+    def verify(self, dtype: torch.dtype, device: str) -> None:  # noqa: B027 - optional hook
+        """Refuse a model dtype or device the method cannot run in (``ValueError`` naming the field)."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
+        """The method object for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""

@@ -1,0 +1,127 @@
+"""Weight-only integer quantization at load time: ``int8`` (per output channel) and ``int4`` (group-wise).
+
+A 16/32-bit checkpoint loads as usual; after loading, each linear weight is quantized round-to-nearest
+(int8: symmetric, ``scale = max|w| / 127`` per row; int4: asymmetric per group of ``group_size`` inputs,
+``scale = (max - min) / 15``, ``zero = min``, as llama.cpp's Q4_1) into a
+:class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight`, and the matmul runs through
+:func:`~kilat.model_executor.layers.quantization.kernels.quant_linear` with activations in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
+from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
+
+if TYPE_CHECKING:
+    from kilat.model_executor.layers.linear import Linear
+
+INT4_GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
+def quantize_int8(weight: torch.Tensor) -> kernels.QuantWeight:
+    """Symmetric per-row int8 of ``weight [N, K]``: ``q = round(w / s)``, ``s = max|w_row| / 127``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return kernels.pack_weight(q, scale, None, bits=8)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> kernels.QuantWeight:
+    """Asymmetric group-wise int4 of ``weight [N, K]`` (``K % group_size == 0``): per group
+    ``zero = min``, ``scale = (max - min) / 15``, ``q = round((w - zero) / scale)`` in ``[0, 15]``."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
+    return kernels.pack_weight(q, scale, lo, bits=4)
+
+
+class WeightOnlyLinearMethod(LinearMethod):
+    """Loads a dense weight, then quantizes it (``bits`` 8 or 4) and multiplies through the quantized kernels.
+
+    Attributes:
+        qweight: the packed weight after loading (``None`` before).
+    """
+
+    def __init__(self, bits: int, group_size: int | None) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.qweight: kernels.QuantWeight | None = None
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Quantize ``layer.weight`` and drop the dense copy (a tied weight stays with its other owner)."""
+        if self.qweight is not None:
+            return
+        weight = layer.weight
+        self.qweight = quantize_int8(weight) if self.bits == 8 else quantize_int4(weight, self.group_size)
+        del layer.weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` (bfloat16/float32) ``-> [..., out]`` in ``x``'s dtype."""
+        if self.qweight is None:
+            raise RuntimeError(f"{layer.prefix}: weights are not processed after loading")
+        return kernels.quant_linear(x, self.qweight, layer.bias)
+
+    def describe(self) -> str:
+        return "int8 per-channel" if self.bits == 8 else f"int4 g{self.group_size}"
+
+
+@dataclass
+class Int8Config(QuantizationConfig):
+    """``--quantization int8``: int8 weight-only, per output channel, quantized at load (round to nearest).
+
+    Attributes:
+        lm_head: quantize the output projection too (the largest single matmul of small models).
+    """
+
+    name: ClassVar[str] = "int8"
+    online: ClassVar[bool] = True
+    lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"quantization_config.lm_head must be true or false, got {self.lm_head!r}")
+
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
+        return _unless_lm_head(self.lm_head, prefix) or WeightOnlyLinearMethod(8, None)
+
+
+@dataclass
+class Int4Config(QuantizationConfig):
+    """``--quantization int4``: int4 weight-only, asymmetric per group of input features, quantized at load.
+
+    Attributes:
+        group_size: input features per scale/zero pair (16, 32, 64, 128 or 256); must divide every layer's
+            input size.
+        lm_head: quantize the output projection too.
+    """
+
+    name: ClassVar[str] = "int4"
+    online: ClassVar[bool] = True
+    group_size: int = 32
+    lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_config.group_size must be one of {INT4_GROUP_SIZES}, "
+                             f"got {self.group_size!r}")
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"quantization_config.lm_head must be true or false, got {self.lm_head!r}")
+
+    def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
+        if layer.input_size % self.group_size:
+            raise ValueError(f"quantization_config.group_size {self.group_size} does not divide the input size "
+                             f"{layer.input_size} of {prefix}")
+        return _unless_lm_head(self.lm_head, prefix) or WeightOnlyLinearMethod(4, self.group_size)
+
+
+def _unless_lm_head(quantize_lm_head: bool, prefix: str) -> LinearMethod | None:
+    """A dense method for ``lm_head`` when it is to stay unquantized, else ``None``."""
+    return None if quantize_lm_head or prefix != "lm_head" else UnquantizedLinearMethod()

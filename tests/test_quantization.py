@@ -1,0 +1,131 @@
+"""The quantization seam: method resolution and its errors (before any weight loads), and the online
+weight-only methods (``int8``, ``int4``) against their own dequantized weights in a dense model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kilat.config import EngineArgs, ModelConfig
+from kilat.model_executor.layers import Linear
+from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
+from kilat.model_executor.layers.quantization.weight_only import quantize_int4, quantize_int8
+from kilat.model_executor.loader import get_model
+from tests.conftest import GGUF_NAME, smollm2_dir
+from tests.test_models import _Sequences
+
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+                     vocab_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random float32 Llama (tied embeddings) saved as an HF directory."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    return path
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
+    runner = _Sequences(model, [23], block_size=8)
+    first, = runner.step([(0, ids[:20], 0)])
+    second, = runner.step([(0, ids[20:], 20)])
+    return torch.cat([first, second])
+
+
+@pytest.mark.parametrize(("quantization", "options", "describe"), [
+    ("int8", None, "int8 per-channel"),
+    ("int4", None, "int4 g32"),
+    ("int4", {"group_size": 16}, "int4 g16"),
+    ("int4", {"group_size": 64, "lm_head": False}, "int4 g64"),
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_online_methods_equal_a_dense_model_of_their_dequantized_weights(
+        checkpoint: Path, quantization: str, options: dict | None, describe: str, dtype: str) -> None:
+    """Quantized at load, every linear (the tied lm_head too, unless ``lm_head`` is false) multiplies exactly as
+    a dense layer holding the dequantized weight would; the embedding keeps the checkpoint's weight."""
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype, quantization=quantization,
+                                        quantization_config=options), "cpu")
+    dense, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="float32"), "cpu")
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert len(quantized) == 2 * 4 + 1
+    for name, layer in quantized.items():
+        method = layer.quant_method
+        if name == "lm_head" and options and options.get("lm_head") is False:
+            assert isinstance(method, UnquantizedLinearMethod)
+            continue
+        assert method.describe() == describe
+        assert not hasattr(layer, "weight")
+        target = dense.get_submodule(name)
+        target.weight = torch.nn.Parameter(kernels.dequantize(method.qweight), requires_grad=False)
+    assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight.to(getattr(torch, dtype)))
+    if dtype == "float32":
+        torch.testing.assert_close(_logits(model), _logits(dense), atol=2e-5, rtol=1e-5)
+    else:  # bfloat16 activations round at every layer; the quantized weights are the same
+        dense = dense.to(torch.bfloat16)
+        torch.testing.assert_close(_logits(model), _logits(dense), atol=0.1, rtol=0.05)
+
+
+def test_round_to_nearest_error_is_at_most_half_a_step() -> None:
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    q8 = quantize_int8(w)
+    step8 = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((kernels.dequantize(q8) - w).abs() <= step8 / 2 * (1 + 1e-5)).all()
+    q4 = quantize_int4(w, 32)
+    groups = w.view(48, 4, 32)
+    step4 = ((groups.amax(dim=2) - groups.amin(dim=2)) / 15)[..., None]
+    err = (kernels.dequantize(q4).view(48, 4, 32) - groups).abs()
+    assert (err <= step4 / 2 * (1 + 1e-5) + 1e-7).all()
+    assert q4.bits == 4 and q4.group_size == 32 and q8.group_size == 128
+
+
+def _engine_config(**kwargs: object) -> None:
+    EngineArgs(**kwargs).create_engine_config()
+
+
+def test_bad_combinations_fail_before_loading(checkpoint: Path, tmp_path: Path) -> None:
+    """Each is a ValueError naming the field, raised by create_engine_config from metadata alone."""
+    with pytest.raises(ValueError, match=r"quantization must be one of \[.*'int4'.*\], got 'int3'"):
+        _engine_config(model=str(checkpoint), quantization="int3")
+    with pytest.raises(ValueError, match=r"quantization_config.group_size must be one of .*got 48"):
+        _engine_config(model=str(checkpoint), quantization="int4", quantization_config='{"group_size": 48}')
+    with pytest.raises(ValueError, match=r"quantization_config: unknown key\(s\) \['bits'\]"):
+        _engine_config(model=str(checkpoint), quantization="int8", quantization_config={"bits": 4})
+    with pytest.raises(ValueError, match="quantization_config must be a JSON object"):
+        _engine_config(model=str(checkpoint), quantization="int8", quantization_config="[1")
+    # a checkpoint that says how it is quantized runs that, and nothing else
+    os.symlink(checkpoint / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "int8"}}))
+    with pytest.raises(ValueError, match="quantization 'int4' does not match the checkpoint, which is quantized "
+                                         "with 'int8'"):
+        _engine_config(model=str(tmp_path), quantization="int4")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bnb"}}))
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'bnb'"):
+        _engine_config(model=str(tmp_path))
+
+
+def test_group_size_must_divide_every_input(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="group_size 128 does not divide the input size 64 of "
+                                         "model.layers.0.self_attn.qkv_proj"):
+        get_model(ModelConfig(model=str(checkpoint), quantization="int4",
+                              quantization_config={"group_size": 128}), "cpu")
+
+
+def test_gguf_file_runs_dequantized_unless_asked() -> None:
+    """Without ``quantization``, a GGUF is the dequantized reference; online methods requantize it."""
+    gguf = os.path.join(smollm2_dir(), GGUF_NAME)
+    assert EngineArgs(model=gguf).create_engine_config().model.quantization is None
+    assert EngineArgs(model=gguf, quantization="int8").create_engine_config().model.quantization == "int8"
