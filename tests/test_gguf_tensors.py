@@ -1,0 +1,262 @@
+"""GGUF tensors read natively: block unpacking against gguf-py, names/shapes/row order against transformers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
+
+from kilat.model_executor.layers.quantization.gguf_blocks import GGUFTensor, dequantize, unpack_blocks
+from kilat.model_executor.loader import converted_gguf_dir, embedded_gguf_path
+from kilat.model_executor.loader.gguf_tensors import gguf_to_hf_names, iterate_gguf_tensors
+from kilat.model_executor.loader.weights import iterate_safetensors
+from kilat.model_executor.models.llama import LlamaForCausalLM
+
+# ggml type -> (bits, group size, q range) of unpack_blocks' affine form
+AFFINE = {
+    T.Q4_0: (4, 32, (0, 15)), T.Q4_1: (4, 32, (0, 15)), T.Q8_0: (8, 32, (-128, 127)),
+    T.Q4_K: (4, 32, (0, 15)), T.Q5_K: (8, 32, (0, 31)), T.Q6_K: (8, 16, (-32, 31)),
+}
+FP16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of d (and dmin) in a block
+EDGE_FP16 = np.array([0.0, 6e-8, -1.5, 65504.0], dtype=np.float16)  # zero, subnormal, negative, max
+
+
+def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid ``qtype`` blocks ``[rows, bytes_per_row]``: gguf-py's quantizer of random weights where it has one
+    (the first row all zeros), otherwise random bytes with finite fp16 ``d``/``dmin`` (the first blocks take
+    the edge values zero, subnormal, negative and the largest fp16)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype not in FP16_FIELDS:
+        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        weights[0] = 0
+        return gguf.quants.quantize(weights, qtype)
+    data = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
+    blocks = data.reshape(-1, type_size)
+    for offset in FP16_FIELDS[qtype]:
+        d = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
+        edges = min(len(d), len(EDGE_FP16))
+        d[:edges] = EDGE_FP16[:edges]
+        blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return data
+
+
+@pytest.mark.parametrize("qtype", list(AFFINE), ids=lambda t: t.name)
+def test_unpack_and_dequantize_equal_gguf(qtype: T) -> None:
+    rows, cols = 12, 768
+    blocks = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    t = GGUFTensor(torch.from_numpy(blocks), qtype, (rows, cols))
+    q, scale, zero, bits = unpack_blocks(t)
+    want_bits, group, (lo, hi) = AFFINE[qtype]
+    assert bits == want_bits and q.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    assert q.shape == (rows, cols) and scale.shape == zero.shape == (rows, cols // group)
+    assert scale.dtype == zero.dtype == torch.float32
+    assert lo <= int(q.min()) and int(q.max()) <= hi
+    if qtype in FP16_FIELDS:  # random bytes use every code
+        assert (int(q.min()), int(q.max())) == (lo, hi)
+
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    assert torch.equal(dequantize(t), reference)
+    expanded = q.float().view(rows, -1, group) * scale[..., None] + zero[..., None]
+    assert torch.equal(expanded.view(rows, cols), reference)
+
+
+def test_affine_parameters_are_the_block_headers() -> None:
+    """The kernels' contract: Q4_1 is scale d and zero m, Q4_0 zero -8d, Q8_0/Q6_K zero 0 (exact)."""
+    rng = np.random.default_rng(1)
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        blocks = random_blocks(qtype, 4, 64, rng)
+        d = torch.from_numpy(blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :2].copy().view(np.float16))
+        _, scale, zero, _ = unpack_blocks(GGUFTensor(torch.from_numpy(blocks), qtype, (4, 64)))
+        assert torch.equal(scale.reshape(-1, 1), d.float())
+        if qtype == T.Q4_1:
+            m = blocks.reshape(-1, 20)[:, 2:4].copy().view(np.float16)
+            assert torch.equal(zero.reshape(-1, 1), torch.from_numpy(m).float())
+        else:
+            assert torch.equal(zero, scale * (-8.0 if qtype == T.Q4_0 else 0.0))
+    _, scale, zero, _ = unpack_blocks(GGUFTensor(torch.from_numpy(random_blocks(T.Q6_K, 2, 256, rng)), T.Q6_K,
+                                                 (2, 256)))
+    assert not zero.any() and scale.shape == (2, 16)
+
+
+def test_other_types_dequantize_through_gguf_but_do_not_unpack() -> None:
+    blocks = random_blocks(T.Q5_0, 3, 64, np.random.default_rng(2))
+    t = GGUFTensor(torch.from_numpy(blocks), T.Q5_0, (3, 64))
+    assert torch.equal(dequantize(t), torch.from_numpy(gguf.quants.dequantize(blocks, T.Q5_0)))
+    with pytest.raises(ValueError, match="Q5_0 has no affine unpacking"):
+        unpack_blocks(t)
+
+
+def test_gguf_tensor_checks_its_bytes() -> None:
+    with pytest.raises(ValueError, match=r"must be uint8 \(2, 36\)"):
+        GGUFTensor(torch.zeros(2, 34, dtype=torch.uint8), T.Q4_0, (2, 64))
+    with pytest.raises(ValueError, match="not a multiple of the block size 256"):
+        GGUFTensor(torch.zeros(2, 144, dtype=torch.uint8), T.Q4_K, (2, 128))
+
+
+# --- a tiny GGUF file -------------------------------------------------------------------------------------
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 64, 2
+HEAD_DIM = HIDDEN // HEADS
+# (layer, llama.cpp tensor) -> ggml type; the rest of the weights are Q8_0, norms F32
+TYPES = {
+    (0, "attn_q"): T.Q4_K, (0, "attn_k"): T.Q6_K, (0, "attn_v"): T.Q5_K, (0, "attn_output"): T.Q4_0,
+    (0, "ffn_gate"): T.Q4_1, (0, "ffn_up"): T.Q8_0, (0, "ffn_down"): T.Q6_K,
+    (1, "attn_q"): T.Q4_0, (1, "attn_k"): T.Q4_1, (1, "attn_v"): T.F16, (1, "attn_output"): T.BF16,
+    (1, "ffn_gate"): T.F32, (1, "ffn_up"): T.Q4_K, (1, "ffn_down"): T.Q5_K,
+}
+
+
+def _add(writer: gguf.GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng: np.random.Generator) -> None:
+    if qtype in (T.F32, T.F16):
+        writer.add_tensor(name, rng.standard_normal((rows, cols)).astype(np.float32 if qtype == T.F32 else np.float16))
+    elif qtype == T.BF16:
+        writer.add_tensor(name, gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T.BF16),
+                          raw_dtype=T.BF16)
+    else:
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+
+
+def write_tiny_gguf(path: Path, arch: str) -> None:
+    """A 2-layer ``arch`` (llama, qwen2, qwen3) GGUF with the mix of types in ``TYPES``, untied output."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(VOCAB)
+    _add(writer, "token_embd.weight", T.Q8_0, VOCAB, HIDDEN, rng)
+    _add(writer, "output.weight", T.Q6_K, VOCAB, HIDDEN, rng)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(HIDDEN).astype(np.float32))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for layer in range(LAYERS):
+        for name, (rows, cols) in shapes.items():
+            _add(writer, f"blk.{layer}.{name}.weight", TYPES[layer, name], rows, cols, rng)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.standard_normal(HIDDEN).astype(np.float32))
+        if arch == "qwen2":
+            for name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{layer}.{name}.bias", rng.standard_normal(shapes[name][0]).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.standard_normal(HEAD_DIM).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory mappings of ``path`` (Linux ``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and os.path.realpath(fields[5]) == os.path.realpath(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_matches_transformers_conversion(tmp_path: Path, arch: str) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == (arch, LAYERS, KV_HEADS)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    reference = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
+    # the one-pass name map is transformers' map
+    assert gguf_to_hf_names(arch, config) == get_gguf_hf_weights_map(meta_model, TensorProcessor(), model_type=arch)
+
+    ours = dict(iterate_gguf_tensors(str(path), config))
+    assert ours.keys() == reference.keys()
+    assert len(ours) == 3 + LAYERS * (9 + {"llama": 0, "qwen2": 3, "qwen3": 2}[arch])
+    mapped = file_mappings(path)
+    for name, tensor in ours.items():
+        qtype = _written_type(name)
+        if isinstance(tensor, GGUFTensor):
+            assert tensor.qtype == qtype and tensor.shape == tuple(reference[name].shape), name
+            assert torch.equal(dequantize(tensor), reference[name]), name
+            data = tensor.data
+        else:
+            assert tensor.dtype == {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype], name
+            assert torch.equal(tensor.float(), reference[name]), name
+            data = tensor
+        # blocks are views of the file; llama's query/key rows are reordered copies
+        permuted = arch == "llama" and (".q_proj." in name or ".k_proj." in name)
+        in_file = any(start <= data.data_ptr() < end for start, end in mapped)
+        assert in_file != permuted, name
+
+    q = ours["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.qtype, q.shape, tuple(q.data.shape)) == (T.Q4_K, (HIDDEN, HIDDEN), (HIDDEN, HIDDEN // 256 * 144))
+    k = ours["model.layers.1.self_attn.k_proj.weight"]
+    assert (k.qtype, k.shape) == (T.Q4_1, (KV_HEADS * HEAD_DIM, HIDDEN))
+
+
+_KINDS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def _written_type(hf_name: str) -> T:
+    """The type :func:`write_tiny_gguf` gave the tensor named ``hf_name``."""
+    special = {"model.embed_tokens.weight": T.Q8_0, "lm_head.weight": T.Q6_K}
+    parts = hf_name.split(".")
+    if len(parts) == 6 and parts[4] in _KINDS and parts[5] == "weight":
+        return TYPES[int(parts[2]), _KINDS[parts[4]]]
+    return special.get(hf_name, T.F32)
+
+
+def test_permutation_reorders_whole_rows(tmp_path: Path) -> None:
+    """llama.cpp interleaves the two halves of each head's Q and K rows (HF rows i and i + head_dim / 2 are
+    GGUF rows 2i and 2i + 1): the native reader undoes it on whole block rows."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(str(path)).tensors}
+    ours = dict(iterate_gguf_tensors(str(path), config))
+    half = torch.arange(HEAD_DIM // 2)
+    for heads, name in ((HEADS, "attn_q"), (KV_HEADS, "attn_k")):
+        order = torch.cat([h * HEAD_DIM + torch.cat([2 * half, 2 * half + 1]) for h in range(heads)])
+        for layer in range(LAYERS):
+            hf = ours[f"model.layers.{layer}.self_attn.{name.replace('attn_', '')}_proj.weight"]
+            assert torch.equal(hf.data, raw[f"blk.{layer}.{name}.weight"][order])
+            assert not torch.equal(hf.data, raw[f"blk.{layer}.{name}.weight"])
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_tensors_match_the_float32_conversion() -> None:
+    path = embedded_gguf_path()
+    folder = converted_gguf_dir(path)
+    config = AutoConfig.from_pretrained(folder)
+    reference = dict(iterate_safetensors(folder))
+    ours = dict(iterate_gguf_tensors(path, config))
+    assert ours.keys() == reference.keys()
+    types = {name: t.qtype if isinstance(t, GGUFTensor) else t.dtype for name, t in ours.items()}
+    assert types["model.embed_tokens.weight"] == T.Q8_0
+    assert sum(v == T.Q4_1 for v in types.values()) == 210 and sum(v == torch.float32 for v in types.values()) == 61
+    for name, tensor in ours.items():
+        value = dequantize(tensor) if isinstance(tensor, GGUFTensor) else tensor
+        assert torch.equal(value, reference[name]), name
+    # every name is one kilat's loader takes (it raises on unknown names and on parameters left unloaded)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, torch.float32)
+    model.load_weights((name, torch.empty(t.shape, device="meta")) for name, t in ours.items())
