@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -68,11 +69,14 @@ def test_greedy_agreement_arithmetic():
         greedy_agreement([[1]], [[1], [2]])
 
 
-def test_reference_keeps_the_run_but_its_dtype():
-    args = EngineArgs(dtype="bfloat16", max_model_len=512, block_size=32)
+def test_reference_drops_quantization_and_keeps_the_rest():
+    args = EngineArgs(dtype="bfloat16", max_model_len=512, block_size=32, quantization="int4",
+                      quantization_config={"group_size": 64}, kv_cache_dtype="int8")
     ref = reference_args(args, "float32")
     assert (ref.dtype, ref.max_model_len, ref.block_size) == ("float32", 512, 32)
-    assert reference_args(args, None) == args
+    assert (ref.quantization, ref.quantization_config, ref.kv_cache_dtype) == (None, None, "auto")
+    assert reference_args(args, None, "other.gguf") == dataclasses.replace(
+        args, model="other.gguf", quantization=None, quantization_config=None, kv_cache_dtype="auto")
 
 
 def test_bundled_text_is_public_domain_prose_of_at_least_4000_tokens():

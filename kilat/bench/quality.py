@@ -12,10 +12,12 @@ Greedy agreement: the first ``--num-prompts`` W6 chat prompts (``datasets.W6_PRO
 the length of the common prefix of the two token sequences over the longer one's length (1.0 when both are
 empty), and whether the two are identical.
 
-The reference is the run's own engine arguments with ``quantization`` and ``kv_cache_dtype`` (those of them
-that :class:`~kilat.config.EngineArgs` has) reset to their defaults and ``dtype`` replaced by
-``--reference-dtype`` when given. The two engines run one after the other in this process; the first is shut
-down and dropped before the second is built.
+The reference is the run's own engine arguments with ``quantization``, ``quantization_config`` and
+``kv_cache_dtype`` (those of them that :class:`~kilat.config.EngineArgs` has) reset to their defaults, and ``dtype``
+and ``model`` replaced by ``--reference-dtype`` and ``--reference-model`` when given (a checkpoint that says
+it is quantized, e.g. AWQ, stays quantized without ``--quantization``: compare it with its unquantized original
+through ``--reference-model``). The text is tokenized once, with the run's tokenizer, for both. The two
+engines run one after the other in this process; the first is shut down and dropped before the second is built.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from kilat.sampling_params import SamplingParams
 QUALITY_TEXT = Path(str(resources.files("kilat.bench").joinpath("data/constitution.txt")))
 """The bundled text: a header of ``#`` lines (source and public-domain status), a blank line, then the text."""
 
-REFERENCE_RESETS = ("quantization", "kv_cache_dtype")
+REFERENCE_RESETS = ("quantization", "quantization_config", "kv_cache_dtype")
 """Engine arguments that the reference configuration takes at their defaults (where EngineArgs has them)."""
 
 
@@ -142,10 +144,12 @@ def greedy_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Seque
             "exact_match_fraction": sum(r["exact"] for r in rows) / len(rows), "per_prompt": rows}
 
 
-def reference_args(args: EngineArgs, dtype: str | None) -> EngineArgs:
-    """``args`` with each :data:`REFERENCE_RESETS` field at its default and ``dtype`` replaced when given."""
+def reference_args(args: EngineArgs, dtype: str | None, model: str | None = None) -> EngineArgs:
+    """``args`` with each :data:`REFERENCE_RESETS` field at its default, and ``dtype`` and ``model`` replaced
+    when given."""
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name in REFERENCE_RESETS}
-    return dataclasses.replace(args, **defaults, **({"dtype": dtype} if dtype else {}))
+    given = {name: value for name, value in (("dtype", dtype), ("model", model)) if value is not None}
+    return dataclasses.replace(args, **defaults, **given)
 
 
 def evaluate(args: EngineArgs, windows: list[list[int]], conversations: list[Any], max_tokens: int) -> dict[str, Any]:
@@ -200,6 +204,9 @@ def add_quality_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-dtype", default=None,
                         help="the reference's dtype (default: the run's); the reference also runs without "
                              "quantization and with the default KV cache dtype")
+    parser.add_argument("--reference-model", default=None,
+                        help="the reference's model (default: the run's), e.g. the unquantized original of an "
+                             "AWQ/GPTQ checkpoint; it must share the run's tokenizer")
     parser.add_argument("--result-json", default=None, help="also write the result as JSON to this path")
 
 
@@ -245,7 +252,7 @@ def cmd_quality(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {ns.max_tokens}")
     args = engine_args_from(ns)
-    ref_args = reference_args(args, ns.reference_dtype)
+    ref_args = reference_args(args, ns.reference_dtype, ns.reference_model)
     token_ids = get_tokenizer(args.tokenizer or args.model).encode(quality_text(), add_special_tokens=False)
     windows = split_windows(token_ids, ns.window_len, ns.num_windows)
     conversations = prompts[:ns.num_prompts]
