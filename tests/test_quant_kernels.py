@@ -92,9 +92,11 @@ def run_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the torch path, or require the native one."""
     if backend == "torch":
         monkeypatch.setattr(kernels, "native_ops", lambda: None)
+    elif kernels.native_ops() is None:
+        pytest.fail("the C++ kernels did not build (see the kilat log)")
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("bits,n,k,group", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,7 +119,7 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} over tolerance"
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
 def test_quant_linear_keeps_leading_dims(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     run_backend(backend, monkeypatch)
     q, scale, zero = make_weight(4, 32, 64, 32)

@@ -28,12 +28,17 @@ activation dtype and uses the dense matmul. Without the extension (no compiler, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kilat.model_executor.layers.quantization.native import load_native
+
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 CHUNK_BYTES = 32
+DENSE_MIN_M = 32
+"""From this many rows of ``x`` on, :func:`quant_linear` dequantizes and runs the dense matmul (measured crossover)."""
 
 
 @dataclass
@@ -170,14 +175,21 @@ def dequantize_torch(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torc
     return full[:w.out_features].to(dtype)
 
 
-def native_ops() -> None:
-    """The C++ kernels' module, or ``None`` for the torch path (the extension is not built yet)."""
-    return None
+def native_ops() -> Any | None:
+    """``torch.ops.kilat_quant`` (the C++ kernels, built on first use), or ``None`` for the torch path."""
+    return load_native()
+
+
+def _native_for(t: torch.Tensor) -> Any | None:
+    return native_ops() if t.device.type == "cpu" else None
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``q * scale + zero`` computed in float32, then cast to ``dtype``: ``[N, K]``."""
-    return dequantize_torch(w, dtype)
+    ops = _native_for(w.qweight)
+    if ops is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return dequantize_torch(w, dtype)
+    return ops.dequantize(w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, dtype)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +208,13 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     """
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
-    return F.linear(x, dequantize(w, x.dtype), bias)
+    ops = _native_for(x)
+    x2 = x.reshape(-1, w.in_features)
+    if ops is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x2.shape[0] >= DENSE_MIN_M:
+        return F.linear(x, dequantize(w, x.dtype), bias)
+    xk = x2.contiguous() if x.dtype != torch.float16 else x2.to(torch.float32)
+    y = ops.gemm(xk, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
 def embedding(ids: torch.Tensor, w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
