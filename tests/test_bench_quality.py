@@ -91,6 +91,17 @@ def test_bundled_text_is_public_domain_prose_of_at_least_4000_tokens():
     assert len(ids) >= 4000
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--num-prompts", "65"], "--num-prompts must be in [0, 64]"), (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--window-len", "100000"], "--window-len (100000) exceeds the text's 9397 tokens")])
+def test_bad_flags_are_named_before_any_engine_starts(flags, message, capsys):
+    from kilat.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "quality", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_quality_run_against_itself_agrees_exactly_and_matches_transformers(tmp_path, capsys):
     """The embedded SmolLM2 in float32 against the same configuration: relative difference exactly 0 and full
