@@ -21,6 +21,7 @@ from kilat.model_executor.layers.quantization.unquantized import UnquantizedLine
 QUANTIZATION_METHODS: dict[str, str] = {
     "int8": "kilat.model_executor.layers.quantization.weight_only:Int8Config",
     "int4": "kilat.model_executor.layers.quantization.weight_only:Int4Config",
+    "fp8": "kilat.model_executor.layers.quantization.fp8:Fp8Config",
 }
 """Method name -> ``module:class`` of its :class:`QuantizationConfig`, imported on first use."""
 
