@@ -176,7 +176,8 @@ def evaluate(args: EngineArgs, windows: list[list[int]], conversations: list[Any
             "outputs": [r.outputs[0].token_ids for r in replies]}
 
 
-def _machine() -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
+    """The CPU model, usable cores, platform, Python, torch and GPU of this machine (for benchmark records)."""
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -261,7 +262,7 @@ def cmd_quality(ns: argparse.Namespace) -> dict[str, Any]:
     result = {
         "command": shlex.join(["kilat", *sys.argv[1:]] if sys.argv[1:3] == ["bench", "quality"] else sys.argv),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "kilat_commit": _git_commit(), "machine": _machine(),
+        "kilat_commit": _git_commit(), "machine": machine_info(),
         "text": QUALITY_TEXT.name, "text_tokens": len(token_ids), "window_len": ns.window_len,
         "num_windows": len(windows), "num_prompts": len(conversations), "max_tokens": ns.max_tokens,
         "run": run, "reference": ref,
