@@ -284,3 +284,25 @@ def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
         n = next((i for i, (a, b) in enumerate(zip(dense, quantized, strict=False)) if a != b), len(dense))
         agree.append(n)
     assert agree == [24, 24], (agree, outputs)
+
+
+def test_decode_bytes_count_quantized_weights(checkpoint: Path) -> None:
+    """MBU's bytes per decode step (kilat.bench.mbu): 1 byte per fp8 weight plus its float32 scales, a
+    method's packed int4 weights, and the KV cache's own bytes per token when given (the old count read
+    ``lm_head.weight``, which int8/int4 drop, and KV in the model dtype)."""
+    from kilat.bench.mbu import decode_bytes_per_step, weight_bytes
+
+    sizes = {}
+    for quantization in (None, "fp8", "int4"):
+        model, config, dtype = get_model(ModelConfig(model=str(checkpoint), dtype="float32",
+                                                     quantization=quantization), "cpu")
+        sizes[quantization] = weight_bytes(model)
+        norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    linear = sum(i * o for i, o in [(64, 64 + 2 * 32), (64, 64), (64, 256), (128, 64)]) * 2 + 256 * 64  # +lm_head
+    rows = (64 + 2 * 32 + 64 + 256 + 64) * 2 + 256
+    assert sizes[None] == norms + 4 * linear
+    assert sizes["fp8"] == norms + linear + 4 * rows
+    assert norms + linear // 2 < sizes["int4"] < norms + linear  # nibbles plus scale/zero pairs
+    kv = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
+    assert decode_bytes_per_step(model, config, 10, dtype) == sizes["int4"] + 10 * kv
+    assert decode_bytes_per_step(model, config, 10, dtype, kv_bytes_per_token=7) == sizes["int4"] + 70

@@ -27,15 +27,29 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str | 
     return 2 * num_bytes / best
 
 
-def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: float, dtype: torch.dtype) -> float:
-    """Bytes one batch-1 decode step reads: every weight once (the embedding table only when it is also the
-    output projection) plus the K and V of ``context_len`` tokens in every layer."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every parameter once, plus what a linear layer's
+    quantization method holds itself (e.g. packed int4/int8 weights, its ``nbytes``), less the embedding table
+    unless it is also the output projection (a step reads only its rows)."""
     params = {id(p): p for p in model.parameters()}
-    weights = sum(p.numel() * p.element_size() for p in params.values())
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        held = vars(method).values() if method is not None else ()
+        total += sum(v.nbytes for v in held if isinstance(getattr(v, "nbytes", None), int))
     embed = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embed:
-        weights -= embed.numel() * embed.element_size()
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    kv_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    return weights + kv_per_token * context_len
+    if getattr(model.lm_head, "weight", None) is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: float, dtype: torch.dtype,
+                          kv_bytes_per_token: float | None = None) -> float:
+    """Bytes one batch-1 decode step reads: the weights (:func:`weight_bytes`) plus the K and V of
+    ``context_len`` tokens in every layer, ``kv_bytes_per_token`` each (default: K and V of every layer in
+    ``dtype``; pass the cache's own for a quantized KV cache)."""
+    if kv_bytes_per_token is None:
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        kv_bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return weight_bytes(model) + kv_bytes_per_token * context_len
