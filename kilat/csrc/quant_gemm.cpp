@@ -1,278 +1,323 @@
 // Weight-quantized matmul for CPU: y[m, n] = sum_g scale[n, g] * (sum_{k in g} q[n, k] x[m, k])
 //                                           + zero[n, g] * (sum_{k in g} x[m, k])
-// over the packed layout of kilat/model_executor/layers/quantization/kernels.py (rows in blocks of 16, 32-byte
-// chunks of 16 rows x 2 or 4 columns, scales [Np/16, groups, 2, 16] in float16 or float32).
+// over the packed layout of kilat/model_executor/layers/quantization/kernels.py: rows in blocks of 16, chunks of
+// 16 rows x 4 columns (4 bits: 32 bytes, byte b = row b/4 in its low nibble and row 8 + b/4 in its high nibble,
+// column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4), scales [Np/16, groups, 2, 16] in
+// float16 or float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
 //
-// AVX-512 path (AVX512BW + AVX512_BF16): the integer q is exact in bfloat16, so `vdpbf16ps` with a 16-row x
-// 2-column weight vector and a broadcast pair of x computes exact products summed in float32, one output row per
-// lane (no horizontal sums). A float32 x is split into three bfloat16 parts whose sum is exactly x. Other CPUs
-// use the portable loops below (same arithmetic, float32). Threads: at::parallel_for over row blocks (torch's
-// intra-op thread count).
+// bfloat16/float16 x (AVX-512 VNNI, llama.cpp's method): x is quantized to int8 per block of 32 (16 for group
+// size 16) columns, xq = round(x / d) with d = max|x| / 127, and `vpdpbusd` sums q * xq exactly in int32; each
+// block adds scale * d * dot, each group zero * sum(x) (sum of the unquantized x). The only approximation is
+// |xq d - x| <= d / 2 per element.
+// float32 x: q is widened to float32 and multiplied by x with FMAs (float32 rounding only).
+// CPUs without AVX-512 VNNI use the portable loops (float32). Threads: at::parallel_for over row blocks, so
+// torch's intra-op thread count.
 //
-// Ops (namespace kilat_quant): gemm(x [M, K] float32|bfloat16, qweight, scales, bits, group_size, N, K, bias?)
-// -> [M, N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
-// has_avx512bf16() -> whether the vector path was compiled in.
+// Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
+// bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
+// has_avx512() -> whether the vector path was compiled in.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define KILAT_AVX512BF16 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KILAT_AVX512 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kRows = 16;
-constexpr int64_t kChunk = 32;
+constexpr int64_t kCols = 4;  // columns per chunk
 
-inline uint16_t bf16_rne(float f) { return c10::BFloat16(f).x; }  // round to nearest even
-
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float half_or_float(c10::Half h) { return static_cast<float>(h); }
+inline float half_or_float(float f) { return f; }
 
 struct Layout {
-  int64_t bits, cols, chunks, groups, span, n, k, blocks;
+  int64_t bits, chunk_bytes, chunks, groups, span, block, n, k, blocks;
 };
 
 Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group_size, int64_t n,
                  int64_t k) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.size(2) == kChunk &&
-                  qweight.is_contiguous(), "qweight must be contiguous uint8 [Np/16, chunks, 32]");
+  Layout l;
+  l.bits = bits;
+  l.chunk_bytes = bits == 4 ? 32 : 64;
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.size(2) == l.chunk_bytes &&
+                  qweight.is_contiguous(), "qweight must be contiguous uint8 [Np/16, Kp/4, 32 or 64]");
   TORCH_CHECK((scales.dtype() == at::kHalf || scales.dtype() == at::kFloat) && scales.dim() == 4 &&
                   scales.size(0) == qweight.size(0) && scales.size(2) == 2 && scales.size(3) == kRows &&
                   scales.is_contiguous(), "scales must be contiguous float16/float32 [Np/16, groups, 2, 16]");
-  Layout l;
-  l.bits = bits;
-  l.cols = bits == 4 ? 4 : 2;
   l.chunks = qweight.size(1);
   l.groups = scales.size(1);
-  l.span = l.groups == 1 ? l.chunks * l.cols : group_size;
+  l.span = l.groups == 1 ? l.chunks * kCols : group_size;
+  l.block = l.span % 32 == 0 ? 32 : 16;
   l.n = n;
   l.k = k;
   l.blocks = qweight.size(0);
-  TORCH_CHECK(l.span * l.groups == l.chunks * l.cols && l.span % l.cols == 0, "group size does not fit qweight");
-  TORCH_CHECK(n <= l.blocks * kRows && k <= l.chunks * l.cols, "N/K do not fit qweight");
+  TORCH_CHECK(l.span * l.groups == l.chunks * kCols && l.span % 16 == 0, "group size does not fit qweight");
+  TORCH_CHECK(n <= l.blocks * kRows && k <= l.chunks * kCols, "N/K do not fit qweight");
   return l;
 }
 
-// q of row `r` (0..15), column `c` of row block `blk` (bytes of that block).
-inline int q_at(const uint8_t* blk, const Layout& l, int r, int64_t c) {
-  const uint8_t* chunk = blk + (c / l.cols) * kChunk;
-  int64_t j = c % l.cols;
-  if (l.bits == 8) return static_cast<int8_t>(chunk[2 * r + j]);
-  uint8_t b = chunk[2 * r + (j & 1)];
-  return j < 2 ? (b & 0x0F) : (b >> 4);
+// q of row r (0..15), column c of row block `bq` (that block's bytes).
+inline int q_at(const uint8_t* bq, const Layout& l, int r, int64_t c) {
+  const uint8_t* chunk = bq + (c / kCols) * l.chunk_bytes;
+  const int j = static_cast<int>(c % kCols);
+  if (l.bits == 8) return static_cast<int>(chunk[4 * r + j]) - 128;
+  const uint8_t b = chunk[4 * (r % 8) + j];
+  return r < 8 ? (b & 0x0F) : (b >> 4);
 }
 
 template <typename S>
 inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int which, int r) {
-  return static_cast<float>(sz[((blk * l.groups + g) * 2 + which) * kRows + r]);
+  return half_or_float(sz[((blk * l.groups + g) * 2 + which) * kRows + r]);
+}
+
+// Activations prepared once per call. xf: float32 [M, Kp] (zero padded); xsum: [M, groups] sums of xf per group;
+// for the int8 path xq: [Kp/4][M] dwords of 4 int8, xd: [M, Kp/block] the block scales d, xc: [M, Kp/block]
+// 128 * sum(xq) per block (the 8-bit weights are stored as q + 128).
+struct Activations {
+  int64_t m, kp;
+  std::vector<float> xf, xsum, xd;
+  std::vector<int32_t> xq, xc;
+};
+
+Activations prepare(const at::Tensor& x, const Layout& l, bool quantize) {
+  Activations a;
+  a.m = x.size(0);
+  a.kp = l.chunks * kCols;
+  a.xf.assign(a.m * a.kp, 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "prepare", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < a.m; ++m)
+      for (int64_t c = 0; c < l.k; ++c) a.xf[m * a.kp + c] = static_cast<float>(src[m * l.k + c]);
+  });
+  a.xsum.assign(a.m * l.groups, 0.f);
+  for (int64_t m = 0; m < a.m; ++m)
+    for (int64_t c = 0; c < a.kp; ++c) a.xsum[m * l.groups + c / l.span] += a.xf[m * a.kp + c];
+  if (!quantize) return a;
+  const int64_t nb = a.kp / l.block;
+  a.xd.assign(a.m * nb, 0.f);
+  a.xc.assign(a.m * nb, 0);
+  a.xq.assign((a.kp / kCols) * a.m, 0);
+  for (int64_t m = 0; m < a.m; ++m) {
+    const float* xm = &a.xf[m * a.kp];
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) amax = std::max(amax, std::fabs(xm[c]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) {
+        const int v = static_cast<int>(std::clamp(std::nearbyint(xm[c] * inv), -127.f, 127.f));
+        sum += v;
+        reinterpret_cast<int8_t*>(&a.xq[(c / kCols) * a.m + m])[c % kCols] = static_cast<int8_t>(v);
+      }
+      a.xd[m * nb + b] = d;
+      a.xc[m * nb + b] = 128 * sum;
+    }
+  }
+  return a;
 }
 
 // ---------------------------------------------------------------------------------------------- portable path
 template <typename S>
-void gemm_block_ref(const float* x, int64_t m_total, int64_t kp, const uint8_t* qw, const S* sz, const Layout& l,
-                    int64_t blk, float* y /* [M, 16] */) {
-  const uint8_t* bq = qw + blk * l.chunks * kChunk;
-  for (int r = 0; r < kRows; ++r) {
-    for (int64_t m = 0; m < m_total; ++m) {
-      const float* xm = x + m * kp;
+void gemm_block_ref(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+                    float* y /* [M, 16] */) {
+  const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
+  for (int r = 0; r < kRows; ++r)
+    for (int64_t m = 0; m < a.m; ++m) {
+      const float* xm = &a.xf[m * a.kp];
       float acc = 0.f;
       for (int64_t g = 0; g < l.groups; ++g) {
-        float dot = 0.f, xs = 0.f;
-        for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) {
-          dot += static_cast<float>(q_at(bq, l, r, c)) * xm[c];
-          xs += xm[c];
-        }
-        acc += scale_at(sz, l, blk, g, 0, r) * dot + scale_at(sz, l, blk, g, 1, r) * xs;
+        float dot = 0.f;
+        for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) dot += static_cast<float>(q_at(bq, l, r, c)) * xm[c];
+        acc += scale_at(sz, l, blk, g, 0, r) * dot + scale_at(sz, l, blk, g, 1, r) * a.xsum[m * l.groups + g];
       }
       y[m * kRows + r] = acc;
     }
+}
+
+#ifdef KILAT_AVX512
+// ------------------------------------------------------------------------------------------------ AVX-512 path
+template <typename S>
+inline void load_scales(const S* s, __m512& sv, __m512& zv) {
+  if constexpr (sizeof(S) == 2) {
+    sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    zv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kRows)));
+  } else {
+    sv = _mm512_loadu_ps(reinterpret_cast<const float*>(s));
+    zv = _mm512_loadu_ps(reinterpret_cast<const float*>(s) + kRows);
   }
 }
 
-#ifdef KILAT_AVX512BF16
-// ------------------------------------------------------------------------------------------------ AVX-512 path
-// xq: [Kp/2 pairs][M][P] dwords (a bfloat16 pair of x per part); xsum: [M][groups] float.
-template <int BITS, int MT, int P, typename S>
-void gemm_block_avx512(const uint32_t* xq, const float* xsum, int64_t m_total, int64_t m0, const uint8_t* qw,
-                       const S* sz, const Layout& l, int64_t blk, float* y /* [M, 16] */) {
-  const uint8_t* bq = qw + blk * l.chunks * kChunk;
-  const int64_t chunks_per_group = l.span / l.cols;
-  const int64_t stride = m_total * P;  // dwords per pair
-  alignas(64) static const uint16_t kTable[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
-      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};  // bf16(0..15)
-  const __m512i table = _mm512_load_si512(kTable);
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
+// One chunk as 16 lanes (rows) of 4 bytes (columns): q for 4 bits, q + 128 for 8 bits.
+template <int BITS>
+inline __m512i load_chunk(const uint8_t* wp) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_loadu_si512(wp);
+  }
+}
+
+// int8 activations: rows of block `blk` for x rows m0 .. m0 + MT.
+template <int BITS, int MT, typename S>
+void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+                     float* y) {
+  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
+  const int64_t chunks_per_block = l.block / kCols, blocks_per_group = l.span / l.block, nb = a.kp / l.block;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    __m512 sv, zv;
+    load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
+    for (int64_t bg = 0; bg < blocks_per_group; ++bg, ++b) {
+      __m512i dot[MT];
+      for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
+      const int32_t* xp = a.xq.data() + b * chunks_per_block * a.m + m0;
+      for (int64_t c = 0; c < chunks_per_block; ++c, wp += l.chunk_bytes, xp += a.m) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + 16 * l.chunk_bytes, _MM_HINT_T0);
+        const __m512i w = load_chunk<BITS>(wp);
+        for (int i = 0; i < MT; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xp[i]));
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int64_t mb = (m0 + i) * nb + b;
+        if constexpr (BITS == 8) dot[i] = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(a.xc[mb]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(sv, _mm512_set1_ps(a.xd[mb])), acc[i]);
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * kRows, acc[i]);
+}
+
+// float32 activations: q widened to float32, FMAs with broadcast x.
+template <int BITS, int MT, typename S>
+void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+                     float* y) {
+  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
+  const int64_t chunks_per_group = l.span / kCols;
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < l.groups; ++g) {
+    __m512 sv, zv;
+    load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
     __m512 dot[MT];
     for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_ps();
-    const uint8_t* wp = bq + g * chunks_per_group * kChunk;
-    const uint32_t* xp = xq + (g * l.span / 2) * stride + m0 * P;
-    for (int64_t c = 0; c < chunks_per_group; ++c, wp += kChunk) {
-      if constexpr (BITS == 4) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + 1024, _MM_HINT_T0);
-        const __m512i wd = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
-        const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(wd, low4), table);
-        const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), table);
-        for (int i = 0; i < MT; ++i)
-          for (int p = 0; p < P; ++p) {
-            dot[i] = _mm512_dpbf16_ps(dot[i], wlo, (__m512bh)_mm512_set1_epi32(xp[i * P + p]));
-            dot[i] = _mm512_dpbf16_ps(dot[i], whi, (__m512bh)_mm512_set1_epi32(xp[stride + i * P + p]));
-          }
-        xp += 2 * stride;
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + 1024, _MM_HINT_T0);
-        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp))));
-        const __m512 f1 =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16))));
-        const __m512bh w = _mm512_cvtne2ps_pbh(f1, f0);
-        for (int i = 0; i < MT; ++i)
-          for (int p = 0; p < P; ++p)
-            dot[i] = _mm512_dpbf16_ps(dot[i], w, (__m512bh)_mm512_set1_epi32(xp[i * P + p]));
-        xp += stride;
+    for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
+      __m512i w = load_chunk<BITS>(wp);
+      if constexpr (BITS == 8) w = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // q as int8
+      const int64_t col = g * l.span + c * kCols;
+      for (int j = 0; j < kCols; ++j) {
+        __m512 wf;
+        if constexpr (BITS == 8)
+          wf = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24));
+        else
+          wf = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), _mm512_set1_epi32(0xFF)));
+        for (int i = 0; i < MT; ++i) dot[i] = _mm512_fmadd_ps(wf, _mm512_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i]);
       }
-    }
-    const S* s = sz + (blk * l.groups + g) * 2 * kRows;
-    __m512 sv, zv;
-    if constexpr (sizeof(S) == 2) {
-      sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      zv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kRows)));
-    } else {
-      sv = _mm512_loadu_ps(reinterpret_cast<const float*>(s));
-      zv = _mm512_loadu_ps(reinterpret_cast<const float*>(s) + kRows);
     }
     for (int i = 0; i < MT; ++i) {
       acc[i] = _mm512_fmadd_ps(dot[i], sv, acc[i]);
-      acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xsum[(m0 + i) * l.groups + g]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * kRows, acc[i]);
 }
 
-template <int BITS, int P, typename S>
-void gemm_block_tiles(const uint32_t* xq, const float* xsum, int64_t m_total, const uint8_t* qw, const S* sz,
-                      const Layout& l, int64_t blk, float* y) {
+template <bool INT8, int BITS, int MT, typename S>
+inline void gemm_tile(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l,
+                      int64_t blk, float* y) {
+  if constexpr (INT8)
+    gemm_block_int8<BITS, MT, S>(a, m0, qw, sz, l, blk, y);
+  else
+    gemm_block_fp32<BITS, MT, S>(a, m0, qw, sz, l, blk, y);
+}
+
+template <bool INT8, int BITS, typename S>
+void gemm_block_avx512(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk, float* y) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= m_total; m0 += 8) gemm_block_avx512<BITS, 8, P, S>(xq, xsum, m_total, m0, qw, sz, l, blk, y);
-  if (m0 + 4 <= m_total) {
-    gemm_block_avx512<BITS, 4, P, S>(xq, xsum, m_total, m0, qw, sz, l, blk, y);
+  for (; m0 + 8 <= a.m; m0 += 8) gemm_tile<INT8, BITS, 8, S>(a, m0, qw, sz, l, blk, y);
+  if (m0 + 4 <= a.m) {
+    gemm_tile<INT8, BITS, 4, S>(a, m0, qw, sz, l, blk, y);
     m0 += 4;
   }
-  if (m0 + 2 <= m_total) {
-    gemm_block_avx512<BITS, 2, P, S>(xq, xsum, m_total, m0, qw, sz, l, blk, y);
+  if (m0 + 2 <= a.m) {
+    gemm_tile<INT8, BITS, 2, S>(a, m0, qw, sz, l, blk, y);
     m0 += 2;
   }
-  if (m0 < m_total) gemm_block_avx512<BITS, 1, P, S>(xq, xsum, m_total, m0, qw, sz, l, blk, y);
+  if (m0 < a.m) gemm_tile<INT8, BITS, 1, S>(a, m0, qw, sz, l, blk, y);
 }
 #endif
 
 template <typename S>
 void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const Layout& l,
               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  const int64_t m_total = x.size(0);
-  const int64_t kp = l.chunks * l.cols;
-  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const bool int8 = x.scalar_type() != at::kFloat;
+#ifdef KILAT_AVX512
+  const Activations a = prepare(x, l, int8);
+#else
+  const Activations a = prepare(x, l, false);
+#endif
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   const S* sz = reinterpret_cast<const S*>(scales.data_ptr());
   at::Tensor biasf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = biasf.defined() ? biasf.data_ptr<float>() : nullptr;
-
-  // x in float32, zero-padded to Kp: [M, Kp]
-  std::vector<float> xf(m_total * kp, 0.f);
-  for (int64_t m = 0; m < m_total; ++m) {
-    if (is_bf16) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * l.k;
-      for (int64_t c = 0; c < l.k; ++c) xf[m * kp + c] = bf16_to_float(src[c]);
-    } else {
-      std::memcpy(&xf[m * kp], x.data_ptr<float>() + m * l.k, l.k * sizeof(float));
-    }
-  }
-  auto finish = [&](int64_t blk, const float* yb) {  // yb [M, 16] -> out rows of block blk (+ bias)
-    for (int64_t m = 0; m < m_total; ++m)
-      for (int r = 0; r < kRows; ++r) {
-        int64_t n = blk * kRows + r;
-        if (n >= l.n) break;
-        float v = yb[m * kRows + r] + (bp ? bp[n] : 0.f);
-        if (is_bf16)
-          reinterpret_cast<uint16_t*>(out.data_ptr())[m * l.n + n] = bf16_rne(v);
-        else
-          out.data_ptr<float>()[m * l.n + n] = v;
-      }
-  };
-
-#ifdef KILAT_AVX512BF16
-  const int parts = is_bf16 ? 1 : 3;
-  std::vector<uint32_t> xq((kp / 2) * m_total * parts);
-  std::vector<float> xsum(m_total * l.groups, 0.f);
-  for (int64_t m = 0; m < m_total; ++m) {
-    const float* xm = &xf[m * kp];
-    for (int64_t g = 0; g < l.groups; ++g) {
-      float s = 0.f;
-      for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) s += xm[c];
-      xsum[m * l.groups + g] = s;
-    }
-    for (int64_t p = 0; p < kp / 2; ++p) {
-      float a = xm[2 * p], b = xm[2 * p + 1];
-      for (int part = 0; part < parts; ++part) {
-        uint16_t ha = bf16_rne(a), hb = bf16_rne(b);
-        xq[(p * m_total + m) * parts + part] = static_cast<uint32_t>(ha) | (static_cast<uint32_t>(hb) << 16);
-        a -= bf16_to_float(ha);  // exact: the remainder of a float32 after its leading bfloat16
-        b -= bf16_to_float(hb);
-      }
-    }
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemm", [&] {
+  scalar_t* yp = out.data_ptr<scalar_t>();
   at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> yb(m_total * kRows);
+    std::vector<float> yb(a.m * kRows);
     for (int64_t blk = begin; blk < end; ++blk) {
-      if (l.bits == 4) {
-        if (parts == 1) gemm_block_tiles<4, 1, S>(xq.data(), xsum.data(), m_total, qw, sz, l, blk, yb.data());
-        else gemm_block_tiles<4, 3, S>(xq.data(), xsum.data(), m_total, qw, sz, l, blk, yb.data());
-      } else {
-        if (parts == 1) gemm_block_tiles<8, 1, S>(xq.data(), xsum.data(), m_total, qw, sz, l, blk, yb.data());
-        else gemm_block_tiles<8, 3, S>(xq.data(), xsum.data(), m_total, qw, sz, l, blk, yb.data());
-      }
-      finish(blk, yb.data());
-    }
-  });
+#ifdef KILAT_AVX512
+      if (int8 && l.bits == 4) gemm_block_avx512<true, 4, S>(a, qw, sz, l, blk, yb.data());
+      else if (int8) gemm_block_avx512<true, 8, S>(a, qw, sz, l, blk, yb.data());
+      else if (l.bits == 4) gemm_block_avx512<false, 4, S>(a, qw, sz, l, blk, yb.data());
+      else gemm_block_avx512<false, 8, S>(a, qw, sz, l, blk, yb.data());
 #else
-  at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> yb(m_total * kRows);
-    for (int64_t blk = begin; blk < end; ++blk) {
-      gemm_block_ref<S>(xf.data(), m_total, kp, qw, sz, l, blk, yb.data());
-      finish(blk, yb.data());
+      gemm_block_ref<S>(a, qw, sz, l, blk, yb.data());
+#endif
+      const int64_t rows = std::min(kRows, l.n - blk * kRows);
+      for (int64_t m = 0; m < a.m; ++m)
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = blk * kRows + r;
+          yp[m * l.n + n] = static_cast<scalar_t>(yb[m * kRows + r] + (bp ? bp[n] : 0.f));
+        }
     }
   });
-#endif
+  });
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
                 int64_t group_size, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
   Layout l = layout_of(qweight, scales, bits, group_size, n, k);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous(), "x must be contiguous [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) == 0) return out;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x must be [..., K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
+  const at::Tensor x2 = x.contiguous().view({-1, k});
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (x2.size(0) == 0) return out;
   if (scales.scalar_type() == at::kHalf)
-    run_gemm<c10::Half>(x, qweight, scales, l, bias, out);
+    run_gemm<c10::Half>(x2, qweight, scales, l, bias, out);
   else
-    run_gemm<float>(x, qweight, scales, l, bias, out);
+    run_gemm<float>(x2, qweight, scales, l, bias, out);
   return out;
 }
 
@@ -280,17 +325,14 @@ template <typename S, typename T>
 void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
   at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
-      const uint8_t* bq = qw + blk * l.chunks * kChunk;
-      for (int r = 0; r < kRows; ++r) {
-        int64_t n = blk * kRows + r;
-        if (n >= l.n) break;
+      const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
+      const int64_t rows = std::min(kRows, l.n - blk * kRows);
+      for (int r = 0; r < rows; ++r) {
+        T* o = out + (blk * kRows + r) * l.k;
         for (int64_t g = 0; g < l.groups; ++g) {
-          float s = scale_at(sz, l, blk, g, 0, r), z = scale_at(sz, l, blk, g, 1, r);
-          int64_t stop = std::min((g + 1) * l.span, l.k);
-          for (int64_t c = g * l.span; c < stop; ++c) {
-            float q = static_cast<float>(q_at(bq, l, r, c));
-            out[n * l.k + c] = static_cast<T>(q * s + z);
-          }
+          const float s = scale_at(sz, l, blk, g, 0, r), z = scale_at(sz, l, blk, g, 1, r);
+          const int64_t stop = std::min((g + 1) * l.span, l.k);
+          for (int64_t c = g * l.span; c < stop; ++c) o[c] = static_cast<T>(static_cast<float>(q_at(bq, l, r, c)) * s + z);
         }
       }
     }
@@ -308,15 +350,19 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64
     else
       run_dequantize(qw, scales.data_ptr<float>(), l, o);
   };
-  if (dtype == at::kFloat) go(out.data_ptr<float>());
-  else if (dtype == at::kBFloat16) go(out.data_ptr<c10::BFloat16>());
-  else if (dtype == at::kHalf) go(out.data_ptr<c10::Half>());
-  else TORCH_CHECK(false, "dequantize: dtype must be float32, bfloat16 or float16");
+  if (dtype == at::kFloat)
+    go(out.data_ptr<float>());
+  else if (dtype == at::kBFloat16)
+    go(out.data_ptr<c10::BFloat16>());
+  else if (dtype == at::kHalf)
+    go(out.data_ptr<c10::Half>());
+  else
+    TORCH_CHECK(false, "dequantize: dtype must be float32, bfloat16 or float16");
   return out;
 }
 
-bool has_avx512bf16() {
-#ifdef KILAT_AVX512BF16
+bool has_avx512() {
+#ifdef KILAT_AVX512
   return true;
 #else
   return false;
@@ -330,5 +376,5 @@ TORCH_LIBRARY(kilat_quant, m) {
         gemm);
   m.def("dequantize(Tensor qweight, Tensor scales, int bits, int group_size, int n, int k, ScalarType dtype) -> Tensor",
         dequantize);
-  m.def("has_avx512bf16() -> bool", has_avx512bf16);
+  m.def("has_avx512() -> bool", has_avx512);
 }

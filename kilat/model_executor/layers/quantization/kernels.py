@@ -5,24 +5,27 @@ signed ``q`` (-128..127) covers every supported format (GGUF Q4_0/Q4_1/Q8_0/K-qu
 group-wise, AWQ, GPTQ); the methods convert their checkpoints with :func:`pack_weight` and call
 :func:`quant_linear` / :func:`embedding`.
 
-Packed layout (what :class:`QuantWeight` holds), rows in blocks of 16 (``N`` padded to ``Np``, a multiple of 16;
-``K`` padded with zero weights to ``Kp``, a multiple of 4 for 4 bits, of 2 for 8 bits):
+Packed layout (what :class:`QuantWeight` holds): rows in blocks of 16 (``N`` padded to ``Np``, a multiple of 16),
+columns in chunks of 4 (``K`` padded with zero weights to ``Kp``: ``K`` itself when ``G < K``, else ``K`` rounded up
+to a multiple of 32, the one group then spanning ``Kp``):
 
-- ``qweight`` uint8 ``[Np / 16, Kp / C, 32]`` with ``C`` = 4 (4 bits) or 2 (8 bits) columns per 32-byte chunk.
-  Byte ``b`` of chunk ``c`` of row block ``r`` belongs to row ``16 r + b // 2``; for 8 bits it is
-  ``q[.., 2 c + b % 2]`` as int8; for 4 bits its low nibble is ``q[.., 4 c + b % 2]`` and its high nibble
-  ``q[.., 4 c + 2 + b % 2]``. A chunk thus unpacks to 16 rows x 2 columns per 32-element vector, the operand
-  layout of AVX-512 ``vdpbf16ps`` (one output row per 32-bit lane, no horizontal sums).
+- ``qweight`` uint8 ``[Np / 16, Kp / 4, B]``, one chunk of 16 rows x 4 columns in ``B`` bytes. 8 bits (``B`` = 64):
+  byte ``b`` of chunk ``c`` of row block ``r`` is ``q[16 r + b // 4, 4 c + b % 4] + 128``. 4 bits (``B`` = 32): its
+  low nibble is ``q[16 r + b // 4, 4 c + b % 4]``, its high nibble ``q[16 r + 8 + b // 4, 4 c + b % 4]``. A chunk
+  thus loads (4 bits: and one shift) as 16 32-bit lanes, one output row each with 4 consecutive columns: the
+  operand of AVX-512 VNNI ``vpdpbusd``, with no horizontal sums.
 - ``scales`` float16 or float32 ``[Np / 16, n_groups, 2, 16]``: ``[..., 0, i]`` the scale and ``[..., 1, i]`` the
   zero of row ``16 r + i``; float16 only where every value is exactly a float16 (checked at pack time), so the
   float32 path matches dequantize-then-matmul.
 
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use, see :mod:`.native`) computes
-``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` with the integer ``q`` exact in bfloat16 and products
-accumulated in float32 (a float32 ``x`` is split into three bfloat16 parts whose sum is exactly ``x``), so both
-dtypes match dequantize-then-matmul to float rounding. Large ``M`` (prefill) dequantizes the weight to the
-activation dtype and uses the dense matmul. Without the extension (no compiler, build error, or
-``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
+``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``. For bfloat16/float16 ``x`` it is llama.cpp's method: ``x``
+quantized to int8 per block of 32 columns (16 for ``G = 16``) with scale ``d = max|x| / 127``, integer dot
+products with VNNI; the only error beyond float rounding is ``|x - d round(x / d)| <= d / 2`` per element. For
+float32 ``x``, ``q`` is widened to float32 and multiplied with FMAs (float rounding only, matching
+dequantize-then-matmul). From :data:`DENSE_MIN_M` rows on (prefill) it dequantizes the weight to ``x``'s dtype and
+runs the dense matmul (oneDNN). Without the extension (no compiler, build error, or ``KILAT_QUANT_KERNELS=torch``)
+everything runs as dequantize-then-``F.linear`` in torch.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import torch.nn.functional as F
 from kilat.model_executor.layers.quantization.native import load_native
 
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
-CHUNK_BYTES = 32
+COLS = 4  # columns per chunk (one 32-bit lane holds 4 int8)
 DENSE_MIN_M = 32
 """From this many rows of ``x`` on, :func:`quant_linear` dequantizes and runs the dense matmul (measured crossover)."""
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -49,7 +53,7 @@ class QuantWeight:
         bits: 4 (``q`` unsigned in [0, 15]) or 8 (``q`` signed in [-128, 127]).
         group_size: ``G``, divides ``in_features``; ``G == in_features`` is per-channel.
         out_features, in_features: ``N`` and ``K``.
-        qweight: uint8 ``[Np / 16, Kp / C, 32]`` (layout in the module docstring).
+        qweight: uint8 ``[Np / 16, Kp / 4, 32 (4 bits) or 64 (8 bits)]`` (layout in the module docstring).
         scales: float16 or float32 ``[Np / 16, n_groups, 2, 16]`` (scale, zero per row and group).
     """
 
@@ -66,14 +70,9 @@ class QuantWeight:
         return self.in_features // self.group_size
 
     @property
-    def cols_per_chunk(self) -> int:
-        """Columns of ``K`` per 32-byte chunk: 4 (4 bits) or 2 (8 bits)."""
-        return 4 if self.bits == 4 else 2
-
-    @property
     def padded_in_features(self) -> int:
         """``Kp``: ``K`` rounded up to a whole chunk (padding columns hold zero weights)."""
-        return self.qweight.shape[1] * self.cols_per_chunk
+        return self.qweight.shape[1] * COLS
 
     @property
     def nbytes(self) -> int:
@@ -127,14 +126,16 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
         raise ValueError("scale and zero must be finite")
 
-    cols = 4 if bits == 4 else 2
-    np_, kp = _round_up(n, ROWS), _round_up(k, cols)
-    qp = torch.zeros(np_, kp, dtype=torch.uint8, device=q.device)
-    qp[:n, :k] = q.view(torch.uint8)
-    # [Np/16, 16 rows, Kp/cols chunks, cols] -> [Np/16, chunks, 16 rows, cols]
-    blocks = qp.view(np_ // ROWS, ROWS, kp // cols, cols).permute(0, 2, 1, 3)
-    qweight = (blocks[..., :2] | (blocks[..., 2:] << 4)) if bits == 4 else blocks
-    qweight = qweight.reshape(np_ // ROWS, kp // cols, CHUNK_BYTES).contiguous()
+    np_, kp = _round_up(n, ROWS), (_round_up(k, 32) if group == k else k)
+    qp = torch.zeros(np_, kp, dtype=torch.uint8, device=q.device)  # 8 bits: q + 128 (padding 128 is q = 0)
+    qp[:n, :k] = q if bits == 4 else (q.to(torch.int16) + 128).to(torch.uint8)
+    if bits == 8:
+        qp[n:] = 128
+        qp[:, k:] = 128
+    # [Np/16, 16 rows, Kp/4 chunks, 4] -> [Np/16, chunks, 16 rows, 4]
+    blocks = qp.view(np_ // ROWS, ROWS, kp // COLS, COLS).permute(0, 2, 1, 3)
+    qweight = (blocks[:, :, :8] | (blocks[:, :, 8:] << 4)) if bits == 4 else blocks
+    qweight = qweight.reshape(np_ // ROWS, kp // COLS, 32 if bits == 4 else 64).contiguous()
 
     groups = scale.shape[1]
     sz = torch.zeros(np_, groups, 2, dtype=torch.float32, device=q.device)
@@ -147,15 +148,14 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 def _unpack_blocks(w: QuantWeight, blocks: torch.Tensor) -> torch.Tensor:
     """The integer ``q`` (float32, ``[B, 16, Kp]``) of row blocks ``w.qweight[blocks]``."""
-    qb = w.qweight[blocks]  # [B, chunks, 32]
+    qb = w.qweight[blocks]  # [B, chunks, 32 or 64]
     b, chunks = qb.shape[0], qb.shape[1]
-    pairs = qb.view(b, chunks, ROWS, 2)
     if w.bits == 4:
-        cols = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # [B, chunks, 16, 4]
-        q = cols.to(torch.float32)
+        lanes = qb.view(b, chunks, ROWS // 2, COLS)
+        q = torch.cat([lanes & 0x0F, lanes >> 4], dim=2).to(torch.float32)  # [B, chunks, 16, 4]
     else:
-        q = pairs.view(torch.int8).to(torch.float32)
-    return q.permute(0, 2, 1, 3).reshape(b, ROWS, chunks * w.cols_per_chunk)
+        q = qb.view(b, chunks, ROWS, COLS).to(torch.float32) - 128
+    return q.permute(0, 2, 1, 3).reshape(b, ROWS, chunks * COLS)
 
 
 def _dequantize_blocks(w: QuantWeight, blocks: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ def _native_for(t: torch.Tensor) -> Any | None:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``q * scale + zero`` computed in float32, then cast to ``dtype``: ``[N, K]``."""
     ops = _native_for(w.qweight)
-    if ops is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if ops is None or dtype not in _NATIVE_DTYPES:
         return dequantize_torch(w, dtype)
     return ops.dequantize(w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, dtype)
 
@@ -201,7 +201,8 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         bias: ``[N]`` or ``None``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``. Matches dequantize-then-matmul up to float rounding (float32 accumulation).
+        ``[..., N]`` in ``x.dtype``: dequantize-then-matmul up to float rounding (float32 accumulation), and for
+        bfloat16/float16 ``x`` below :data:`DENSE_MIN_M` rows, the int8 rounding of ``x`` (module docstring).
 
     Raises:
         ValueError: when ``x``'s last dimension is not ``K``.
@@ -209,12 +210,9 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
-    x2 = x.reshape(-1, w.in_features)
-    if ops is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x2.shape[0] >= DENSE_MIN_M:
+    if ops is None or x.dtype not in _NATIVE_DTYPES or x.numel() >= DENSE_MIN_M * w.in_features:
         return F.linear(x, dequantize(w, x.dtype), bias)
-    xk = x2.contiguous() if x.dtype != torch.float16 else x2.to(torch.float32)
-    y = ops.gemm(xk, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
 
 
 def embedding(ids: torch.Tensor, w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
