@@ -29,6 +29,8 @@ LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 MAX_ENGINE_CORE_RESTARTS = 3
 """Default for the most restarts of a dead engine core in a row (``AsyncLLM``, ``kilat serve``)."""
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``kv_cache_dtype`` values (vLLM's names; ``fp8`` is ``fp8_e4m3``)."""
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -126,6 +128,10 @@ class CacheConfig:
         gpu_memory_utilization: fraction of device memory for weights + activations + KV cache on CUDA.
         enable_prefix_caching: reuse KV blocks of previously computed full-block prefixes.
         num_gpu_blocks_override: exact number of KV blocks (tests and benchmarks), overriding both sizes.
+        kv_cache_dtype: what the KV cache stores: ``"auto"`` (the model dtype), ``"int8"`` (symmetric, a float32
+            scale per token and KV head), ``"fp8"`` / ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (float8 with the same
+            scales). Fewer bytes per token, so more blocks fit; fp8 needs the CPU or, with the Triton backend,
+            CUDA compute capability 8.9 or newer.
     """
 
     block_size: int = 16
@@ -133,6 +139,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -143,6 +150,8 @@ class CacheConfig:
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
                "num_gpu_blocks_override", f"must be >= 2, got {self.num_gpu_blocks_override}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass
@@ -334,6 +343,7 @@ class EngineArgs:
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
@@ -363,9 +373,9 @@ class EngineArgs:
         """Validate and split into an :class:`EngineConfig`.
 
         Checks what the engine core would otherwise find only after loading the weights: the device exists,
-        the attention backend runs on it, ``max_model_len`` fits the model's ``max_position_embeddings``
-        (read from config.json or the GGUF header, not the weights), and the quantization method fits the
-        checkpoint, dtype and device. Logs a warning for each flag that the
+        the attention backend runs on it and can read ``kv_cache_dtype``, ``max_model_len`` fits the model's
+        ``max_position_embeddings`` (read from config.json or the GGUF header, not the weights), and the
+        quantization method fits the checkpoint, dtype and device. Logs a warning for each flag that the
         device ignores (``gpu_memory_utilization`` and ``enforce_eager`` on the CPU, ``kv_cache_memory`` on
         CUDA).
 
@@ -380,8 +390,9 @@ class EngineArgs:
             raise ValueError("device 'cuda' is not available (torch.cuda.is_available() is False); use "
                              "--device cpu or auto")
         from kilat.model_executor.attention.backends import resolve_attention_backend
+        from kilat.model_executor.attention.kv_cache import check_kv_cache_dtype
 
-        resolve_attention_backend(self.attention_backend, device)  # refuse an unusable backend before loading
+        backend = resolve_attention_backend(self.attention_backend, device)  # refuse an unusable one before loading
         self._warn_ignored(device)
         self._check_max_model_len()
 
@@ -392,7 +403,9 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig.parse(self.structured_outputs_config or {})
         model = build(ModelConfig)
         _check_quantization(model, device)
-        return EngineConfig(model=model, cache=build(CacheConfig), scheduler=build(SchedulerConfig),
+        cache = build(CacheConfig)
+        check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
+        return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
 

@@ -63,10 +63,12 @@ class EngineCoreReady:
     Attributes:
         hf_config: the model's transformers config.
         max_model_len: context limit in tokens.
+        num_gpu_blocks: KV blocks allocated (vLLM's name, on the CPU too).
     """
 
     hf_config: Any
     max_model_len: int
+    num_gpu_blocks: int
 
 
 @dataclass
@@ -200,7 +202,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.exception("engine core: loading failed")
             _send(output_socket, EngineCoreOutputs([], EngineStats(), error=f"{type(e).__name__}: {e}"))
             raise SystemExit(1) from e
-        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len))
+        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len, core.runner.num_blocks))
         EngineCoreProc(core, input_socket, output_socket).run()
     except SystemExit as e:
         if e.code:

@@ -84,9 +84,11 @@ class EngineCore:
                                    self.proposer.num_lookahead_tokens if self.proposer is not None else 0)
         self.stats = EngineStats()
         self.structured_outputs: StructuredOutputManager | None = None
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d)",
-                    self.runner.num_blocks, config.cache.block_size,
-                    self.runner.num_blocks * config.cache.block_size, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d), kv_cache_dtype %s (%s, "
+                    "%d bytes per block)", self.runner.num_blocks, config.cache.block_size,
+                    self.runner.num_blocks * config.cache.block_size, self.max_model_len,
+                    config.cache.kv_cache_dtype, str(self.runner.kv_cache_dtype).removeprefix("torch."),
+                    self.runner.bytes_per_block)
 
     def add_requests(self, group: list[EngineCoreRequest]) -> None:
         """Queue the ``n`` core requests of one user request; the first leads the others (prompt KV reuse).

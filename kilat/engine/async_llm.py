@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from kilat.config import MAX_ENGINE_CORE_RESTARTS, EngineArgs
+from kilat.config import MAX_ENGINE_CORE_RESTARTS, CacheConfig, EngineArgs
 from kilat.core.request import RequestStatus
 from kilat.engine.core_client import EngineCoreClient, EngineDeadError
 from kilat.engine.input_processor import PromptType
@@ -58,6 +58,10 @@ class StatLogger(Protocol):
 
     def engine_core_restarted(self) -> None:
         """Called when a new engine-core process has loaded the model."""
+
+    def engine_core_ready(self, cache: CacheConfig, num_gpu_blocks: int) -> None:
+        """Called when an engine-core process (the first or a restarted one) has loaded the model and allocated
+        ``num_gpu_blocks`` KV blocks."""
 
 
 class RequestStream:
@@ -152,6 +156,8 @@ class AsyncLLM:
             self.client.shutdown()
             raise
         self.stat_logger = stat_logger
+        if stat_logger is not None:
+            stat_logger.engine_core_ready(self.config.cache, ready.num_gpu_blocks)
         # Tokenization and chat templates run here, off the event loop, one at a time (a transformers fast
         # tokenizer is not safe to call from several threads at once).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kilat-tokenizer")
@@ -310,6 +316,7 @@ class AsyncLLM:
             self.dead_error = None
             if self.stat_logger is not None:
                 self.stat_logger.engine_core_restarted()
+                self.stat_logger.engine_core_ready(self.config.cache, client.ready.num_gpu_blocks)
             logger.warning("engine core restarted (%d restart(s) since start-up)", self.num_restarts)
             return True
         self.dead_error = f"the engine core died and is not restarted ({cause})" if limit == 0 else \

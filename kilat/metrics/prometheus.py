@@ -18,6 +18,7 @@ from itertools import zip_longest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kilat.config import CacheConfig
 from kilat.metrics.stats import EngineStats, SpecDecodeStats
 from kilat.outputs import RequestOutput
 
@@ -58,6 +59,13 @@ class _EngineStatsCollector:
                 ("kilat:num_requests_waiting", "Requests waiting in the engine.", last.num_waiting),
                 ("kilat:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", last.kv_cache_usage)):
             yield GaugeMetricFamily(name, doc, value=value)
+        info = self.logger.cache_config_info
+        if info:
+            gauge = GaugeMetricFamily("kilat:cache_config_info", "KV cache of the latest engine core: its labels "
+                                      "(block_size, cache_dtype, num_gpu_blocks, enable_prefix_caching); value 1.",
+                                      labels=list(info))
+            gauge.add_metric(list(info.values()), 1)
+            yield gauge
 
 
 def _spec_decode_metrics(spec: SpecDecodeStats) -> Iterator[Metric]:
@@ -98,6 +106,8 @@ class PrometheusStatLogger:
         stats: the running engine core's latest stats (empty while none runs).
         dead_cores_stats: the counters of the engine cores that died, added to ``stats``'s when exported.
         engine_core_restarts: engine cores started after one died.
+        cache_config_info: the labels of ``kilat:cache_config_info`` (vLLM's ``vllm:cache_config_info``), empty
+            until an engine core is ready.
     """
 
     def __init__(self) -> None:
@@ -105,6 +115,7 @@ class PrometheusStatLogger:
         self.stats = EngineStats()
         self.dead_cores_stats = EngineStats()
         self.engine_core_restarts = 0
+        self.cache_config_info: dict[str, str] = {}
         self._last_token: dict[str, tuple[float, int]] = {}
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -164,6 +175,12 @@ class PrometheusStatLogger:
     def engine_core_restarted(self) -> None:
         """Count a restarted engine core."""
         self.engine_core_restarts += 1
+
+    def engine_core_ready(self, cache: CacheConfig, num_gpu_blocks: int) -> None:
+        """Keep the KV cache configuration of a core that has loaded the model (``num_gpu_blocks``: its blocks)."""
+        self.cache_config_info = {"block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
+                                  "num_gpu_blocks": str(num_gpu_blocks),
+                                  "enable_prefix_caching": str(cache.enable_prefix_caching)}
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

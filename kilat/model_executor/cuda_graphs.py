@@ -48,6 +48,7 @@ class CUDAGraphRunner:
         max_model_len: longest context in tokens; sizes the block table and fixes the decode kernel's grid.
         max_num_seqs: largest batch to capture.
         device: a CUDA device.
+        kv_scales: the scales of an int8/fp8 KV cache (captured by address too), or ``None``.
 
     Attributes:
         sizes: the captured batch sizes, ascending.
@@ -59,7 +60,7 @@ class CUDAGraphRunner:
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
                  fused_kernels: bool, block_size: int, max_model_len: int, max_num_seqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_scales: list[torch.Tensor] | None = None) -> None:
         if not backend.graphable:
             raise ValueError(f"the {backend.name!r} attention backend cannot be captured in CUDA graphs")
         self.sizes = capture_sizes(max_num_seqs)
@@ -82,7 +83,7 @@ class CUDAGraphRunner:
                 meta = AttentionMetadata(self.query_start_loc[:size + 1], self.seq_lens[:size], self.block_table[:size],
                                          self.slot_mapping[:size], max_query_len=1, max_seq_len=max_model_len,
                                          block_size=block_size, num_decode_tokens=size)
-                with set_forward_context(ForwardContext(meta, kv_caches, backend, fused_kernels)):
+                with set_forward_context(ForwardContext(meta, kv_caches, backend, fused_kernels, kv_scales)):
                     model(self.input_ids[:size], self.positions[:size])
                     torch.cuda.synchronize(device)
                     graph = torch.cuda.CUDAGraph()

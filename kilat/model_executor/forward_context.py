@@ -25,17 +25,20 @@ class ForwardContext:
 
     Attributes:
         attn_metadata: the step's attention metadata (built once per step).
-        kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model
-            dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
+        kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
+            storage dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
         backend: the attention kernels to run; ``None`` is the torch reference.
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels
             (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
+        kv_scales: for an int8/fp8 cache, one float32 ``[2, num_blocks, block_size, num_kv_heads]`` tensor per
+            layer (:mod:`kilat.model_executor.attention.kv_cache`); ``None`` for a cache in the model dtype.
     """
 
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend | None = None
     fused_kernels: bool = False
+    kv_scales: list[torch.Tensor] | None = None
 
 
 _current: ForwardContext | None = None

@@ -14,7 +14,13 @@ from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request
 from kilat.core.scheduler import SchedulerOutput
-from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
+from kilat.model_executor.attention import (
+    AttentionMetadata,
+    allocate_kv_caches,
+    allocate_kv_scales,
+    kv_cache_bytes_per_block,
+    kv_cache_storage_dtype,
+)
 from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
 from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.cuda_graphs import CUDAGraphRunner
@@ -39,11 +45,16 @@ class ModelRunner:
     Attributes:
         max_model_len: longest context in tokens, capped by the model's positions and the KV cache.
         num_blocks: KV blocks allocated.
+        kv_cache_dtype: the KV cache's storage dtype (``CacheConfig.kv_cache_dtype`` resolved: the model dtype,
+            ``torch.int8`` or a float8 dtype).
+        bytes_per_block: bytes one KV block takes over all layers, scales and the draft model's cache included.
+        kv_caches, kv_scales: the KV cache tensors and, for int8/fp8, their scales (else ``None``), one per layer.
         attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
         cuda_graphs: the captured decode graphs, or ``None`` (CPU, ``enforce_eager``, ungraphable backend).
         draft_model: the speculative-decoding draft model (method ``draft_model``), or ``None``.
-        draft_kv_caches: its KV cache, with the target's block ids and block size, or ``None``.
+        draft_kv_caches, draft_kv_scales: its KV cache (in the same ``kv_cache_dtype``) and scales, with the
+            target's block ids and block size, or ``None``.
     """
 
     def __init__(self, config: EngineConfig):
@@ -61,14 +72,12 @@ class ModelRunner:
                              f"max_position_embeddings ({model_max})")
         block_size = config.cache.block_size
         self.block_size = block_size
-        bytes_per_block = kv_cache_bytes_per_block(self.model.num_layers, block_size, self.model.num_kv_heads,
-                                                   self.model.head_dim, self.dtype)
+        self.kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.draft_model = self._load_draft_model()
-        if self.draft_model is not None:
-            bytes_per_block += kv_cache_bytes_per_block(self.draft_model.num_layers, block_size,
-                                                        self.draft_model.num_kv_heads, self.draft_model.head_dim,
-                                                        self.dtype)
-        self.num_blocks = self._num_blocks(bytes_per_block)
+        self.bytes_per_block = sum(kv_cache_bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
+                                                            self.kv_cache_dtype)
+                                   for m in (self.model, self.draft_model) if m is not None)
+        self.num_blocks = self._num_blocks(self.bytes_per_block)
         capacity = self.num_blocks * block_size
         if capacity < self.max_model_len:
             raise ValueError(f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks), fewer than "
@@ -78,25 +87,30 @@ class ModelRunner:
                 config.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({config.scheduler.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
-        self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, block_size,
-                                            self.model.num_kv_heads, self.model.head_dim, self.dtype,
-                                            self.device)
-        self.draft_kv_caches = None if self.draft_model is None else allocate_kv_caches(
-            self.draft_model.num_layers, self.num_blocks, block_size, self.draft_model.num_kv_heads,
-            self.draft_model.head_dim, self.dtype, self.device)
+        self.kv_caches, self.kv_scales = self._allocate_kv(self.model, self.num_blocks)
+        self.draft_kv_caches, self.draft_kv_scales = (None, None) if self.draft_model is None else \
+            self._allocate_kv(self.draft_model, self.num_blocks)
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
-                                               self.device)
+                                               self.device, self.kv_scales)
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
 
-    def context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> ForwardContext:
-        """The forward context of one step over ``kv_caches`` with this runner's kernels."""
-        return ForwardContext(meta, kv_caches, self.attn_backend, self.fused_kernels)
+    def context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                kv_scales: list[torch.Tensor] | None) -> ForwardContext:
+        """The forward context of one step over ``kv_caches`` (and their scales) with this runner's kernels."""
+        return ForwardContext(meta, kv_caches, self.attn_backend, self.fused_kernels, kv_scales)
+
+    def _allocate_kv(self, model: torch.nn.Module, num_blocks: int
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """``model``'s KV cache of ``num_blocks`` blocks in :attr:`kv_cache_dtype`, and its scales (or ``None``)."""
+        shape = (model.num_layers, num_blocks, self.block_size, model.num_kv_heads)
+        return (allocate_kv_caches(*shape, model.head_dim, self.kv_cache_dtype, self.device),
+                allocate_kv_scales(*shape, self.kv_cache_dtype, self.device))
 
     def _load_draft_model(self) -> torch.nn.Module | None:
         """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.
@@ -137,10 +151,9 @@ class ModelRunner:
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0] * -(-num_tokens // self.block_size)],
                                        self.block_size, self.device)
-        caches = allocate_kv_caches(self.model.num_layers, -(-num_tokens // self.block_size), self.block_size,
-                                    self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
+        caches, scales = self._allocate_kv(self.model, -(-num_tokens // self.block_size))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), set_forward_context(self.context(meta, caches)):
+        with torch.inference_mode(), set_forward_context(self.context(meta, caches, scales)):
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
             spec = self.config.speculative
             rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # verified drafts
@@ -148,7 +161,7 @@ class ModelRunner:
             self.model.compute_logits(hidden[:rows])
         del hidden
         peak = torch.cuda.max_memory_allocated(self.device)
-        del caches
+        del caches, scales
         _, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak
         num_blocks = max(2, budget // bytes_per_block)
@@ -201,7 +214,7 @@ class ModelRunner:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            with set_forward_context(self.context(meta, self.kv_caches)):
+            with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
                 hidden = self.model(ids_t, pos_t)
         for request, row0, pos_from, count in prompt_lp:
             self._prompt_logprobs(request, hidden[row0:row0 + count], pos_from)

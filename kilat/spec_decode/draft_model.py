@@ -32,7 +32,8 @@ def draft_model_config(config: SpeculativeConfig, target: ModelConfig, dtype: to
 
 
 class DraftModelProposer:
-    """Drafts with the runner's draft model (``runner.draft_model``, KV in ``runner.draft_kv_caches``).
+    """Drafts with the runner's draft model (``runner.draft_model``, KV in ``runner.draft_kv_caches`` and, for an
+    int8/fp8 cache, ``runner.draft_kv_scales``).
 
     Greedy requests get the draft's argmax; random ones a sample from the draft's distribution ``q`` after
     their temperature, top-k, top-p and min-p, with ``q`` kept in ``request.spec_probs`` for verification.
@@ -49,6 +50,7 @@ class DraftModelProposer:
         self.num_lookahead_tokens = config.num_speculative_tokens
         self.model = runner.draft_model
         self.kv_caches = runner.draft_kv_caches
+        self.kv_scales = runner.draft_kv_scales
         self.context = runner.context
         self.block_size = runner.block_size
         self.device = runner.device
@@ -104,7 +106,7 @@ class DraftModelProposer:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with set_forward_context(self.context(meta, self.kv_caches)):
+        with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
             return self.model(ids_t, pos_t)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], q_rows: dict[str, list[torch.Tensor]]) -> None:

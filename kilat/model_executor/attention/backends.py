@@ -18,8 +18,9 @@ class AttentionBackend:
 
     Attributes:
         name: ``"torch"`` or ``"triton"``.
-        write_kv: ``(kv_cache, key, value, slot_mapping) -> None``.
-        paged_attention: ``(query, key, value, kv_cache, metadata, scale, sliding_window) -> out``.
+        write_kv: ``(kv_cache, key, value, slot_mapping, kv_scales=None) -> None``.
+        paged_attention: ``(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales=None) -> out``
+            (``kv_scales``: the scales of an int8/fp8 cache, :mod:`.kv_cache`).
         graphable: whether a decode step can be captured in a CUDA graph (its launches depend only on
             tensor shapes and ``metadata.max_seq_len``).
     """

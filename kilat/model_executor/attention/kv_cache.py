@@ -1,26 +1,94 @@
-"""Paged KV cache allocation and sizing (PagedAttention, Kwon et al., SOSP 2023)."""
+"""Paged KV cache layout, allocation, sizing and quantization (PagedAttention, Kwon et al., SOSP 2023).
+
+The layout of one layer, declared here and nowhere else:
+
+- ``kv_cache``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values) in the
+  storage dtype: the model dtype for ``kv_cache_dtype="auto"``, else ``torch.int8``, ``torch.float8_e4m3fn``
+  or ``torch.float8_e5m2``.
+- ``kv_scales`` (quantized storage only): float32 ``[2, num_blocks, block_size, num_kv_heads]``, the scale of
+  each stored token and KV head; the stored vector is ``x / scale`` rounded to the storage dtype, read back as
+  ``stored * scale``. The scale is symmetric, ``absmax(x) / QMAX`` over the head's ``head_dim`` values (QMAX:
+  127 for int8, the largest finite value for fp8), so nothing overflows and each token keeps the dtype's full
+  range. For fp8 this costs 4 bytes per token and head over vLLM's per-tensor scale of 1.0 and was measured
+  to be as good or better (docs/benchmarks.md, "KV cache dtype").
+"""
 
 from __future__ import annotations
 
 import torch
 
+KV_SCALE_DTYPE = torch.float32
+"""dtype of the per-token, per-KV-head scales of a quantized cache."""
+_STORAGE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+         torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+MIN_SCALE = 2.0 ** -100
+"""Smallest scale (a normal float32): an all-zero vector (padding) divides by this, not by 0."""
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a cache of ``kv_cache_dtype`` (:data:`kilat.config.KV_CACHE_DTYPES`) stores:
+    ``model_dtype`` for ``"auto"``."""
+    return model_dtype if kv_cache_dtype == "auto" else _STORAGE_DTYPES[kv_cache_dtype]
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache stored in ``dtype`` is quantized (int8 or fp8, with ``kv_scales``)."""
+    return dtype in _QMAX
+
+
+def quant_max(dtype: torch.dtype) -> float:
+    """The largest magnitude a quantized storage ``dtype`` holds: 127 (int8), 448 (e4m3) or 57344 (e5m2)."""
+    return _QMAX[dtype]
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize keys or values for a cache stored in ``dtype`` (the formula every backend follows).
+
+    ``scale = max(absmax / QMAX, MIN_SCALE)`` per token and head; ``y = clamp(x / scale, ±QMAX)`` in float32;
+    int8 rounds half away from zero, fp8 to nearest even.
+
+    Args:
+        x: ``[num_tokens, num_kv_heads, head_dim]``, any float dtype.
+        dtype: a quantized storage dtype (see :func:`is_quantized`).
+
+    Returns:
+        ``(stored [num_tokens, num_kv_heads, head_dim] in dtype, scales float32 [num_tokens, num_kv_heads])``.
+    """
+    qmax = _QMAX[dtype]
+    x = x.to(torch.float32)
+    scales = (x.abs().amax(dim=-1) / qmax).clamp_(min=MIN_SCALE)
+    y = (x / scales[..., None]).clamp_(-qmax, qmax)
+    if dtype == torch.int8:
+        y = y + torch.where(y < 0, -0.5, 0.5)  # .to(int8) truncates toward zero
+    return y.to(dtype), scales
+
+
+def dequantize_kv(stored: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``stored * scales`` (``stored [..., head_dim]``, ``scales [...]``), multiplied in float32, in ``dtype``."""
+    return (stored.to(torch.float32) * scales[..., None]).to(dtype)
+
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype) -> int:
-    """Bytes that one KV block takes over all layers (keys and values).
+    """Bytes that one KV block takes over all layers (keys and values, with their scales).
 
-    Returns ``2 * num_layers * block_size * num_kv_heads * head_dim * itemsize(dtype)``.
+    Returns ``2 * num_layers * block_size * num_kv_heads * (head_dim * itemsize(dtype) + scale bytes)``, where
+    a quantized ``dtype`` (int8, fp8) adds the 4 bytes of a float32 scale per token and KV head.
     """
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    scale_bytes = KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+    return 2 * num_layers * block_size * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """Allocate one zero-filled KV cache tensor per layer.
 
-    Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` on ``device``; index 0
-    of the first dimension holds keys, 1 values. Zero-filled (not ``empty``) so that padded, masked slots
-    never hold NaN/inf garbage, which would leak through ``0 * NaN`` in the attention product.
+    Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the storage ``dtype`` on
+    ``device``; index 0 of the first dimension holds keys, 1 values. Zero-filled (not ``empty``) so that padded,
+    masked slots never hold NaN/inf garbage, which would leak through ``0 * NaN`` in the attention product. A
+    quantized ``dtype`` also needs :func:`allocate_kv_scales`.
 
     Raises:
         ValueError: if any size is not positive.
@@ -32,3 +100,35 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             raise ValueError(f"{name} must be >= 1, got {value}")
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def allocate_kv_scales(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, dtype: torch.dtype,
+                       device: torch.device | str) -> list[torch.Tensor] | None:
+    """The scales of a cache stored in ``dtype``: one float32 ``[2, num_blocks, block_size, num_kv_heads]``
+    tensor per layer (zero-filled), or ``None`` when ``dtype`` is not quantized."""
+    if not is_quantized(dtype):
+        return None
+    shape = (2, num_blocks, block_size, num_kv_heads)
+    return [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) for _ in range(num_layers)]
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, device: torch.device | str) -> None:
+    """Refuse an fp8 cache where the attention backend cannot convert fp8.
+
+    Support: int8 everywhere. fp8 on the CPU (torch stores float8 and both backends upcast it) and on CUDA
+    with the torch backend; the Triton backend on CUDA needs compute capability 8.9 or newer (Triton's
+    ``float8e4nv`` / ``float8e5`` conversions).
+
+    Args:
+        attention_backend: the resolved backend, ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: naming ``kv_cache_dtype``.
+    """
+    if not kv_cache_dtype.startswith("fp8") or torch.device(device).type != "cuda" or attention_backend != "triton":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs compute capability >= 8.9 with the Triton "
+                         f"attention backend, this GPU has {capability[0]}.{capability[1]}; use "
+                         f"kv_cache_dtype 'int8' or attention_backend 'torch'")

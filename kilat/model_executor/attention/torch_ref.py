@@ -11,56 +11,74 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kilat.model_executor.attention.kv_cache import dequantize_kv, quantize_kv
 from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's new keys and values in the paged cache.
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
+    """Store the step's new keys and values in the paged cache, quantized when it is (``kv_scales`` given).
 
     Args:
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 keys, 1 values), updated in place.
-        key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the cache dtype (may be strided views).
+        key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the model dtype (may be strided views).
         slot_mapping: int64 ``[num_new_tokens]`` flat slot of each new token.
+        kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` for an int8/fp8 ``kv_cache``
+            (:mod:`.kv_cache`), updated in place; ``None`` for a cache in the model dtype.
     """
-    flat = kv_cache.view(2, -1, kv_cache.shape[3] * kv_cache.shape[4])
-    num_tokens = key.shape[0]
-    flat[0].index_copy_(0, slot_mapping, key.reshape(num_tokens, -1))
-    flat[1].index_copy_(0, slot_mapping, value.reshape(num_tokens, -1))
+    num_tokens, num_kv_heads, head_dim = key.shape
+    flat = kv_cache.view(2, -1, num_kv_heads * head_dim)
+    if kv_scales is None:
+        flat[0].index_copy_(0, slot_mapping, key.reshape(num_tokens, -1))
+        flat[1].index_copy_(0, slot_mapping, value.reshape(num_tokens, -1))
+        return
+    flat = flat.view(torch.uint8) if kv_cache.dtype.is_floating_point else flat  # no fp8 index_copy_ on CPU
+    scales = kv_scales.view(2, -1, num_kv_heads)
+    for i, x in enumerate((key, value)):
+        stored, scale = quantize_kv(x, kv_cache.dtype)
+        flat[i].index_copy_(0, slot_mapping, stored.view(flat.dtype).reshape(num_tokens, -1))
+        scales[i].index_copy_(0, slot_mapping, scale)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context.
 
     Call after :func:`write_kv` has stored this step's keys and values. Heads follow grouped-query attention
-    (Ainslie et al., 2023): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    (Ainslie et al., 2023): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. A quantized
+    cache is dequantized as it is gathered, new tokens included (they are read back from the cache, so every
+    backend attends the same stored values).
 
     Args:
         query: ``[num_new_tokens, num_heads, head_dim]``.
         key, value: ``[num_new_tokens, num_kv_heads, head_dim]``, the step's new keys/values (used directly
-            for prefills without context, saving a gather).
+            for prefills without context in an unquantized cache, saving a gather).
         kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
         metadata: the step's :class:`AttentionMetadata`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p`` (Mistral).
+        kv_scales: the scales of a quantized ``kv_cache`` (see :func:`write_kv`), else ``None``.
 
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
     groups = metadata.decodes
     if len(groups) == 1 and metadata.num_decode_tokens == query.shape[0]:
-        return _decode_attention(query, kv_cache, groups[0], metadata.decode_mask(0, sliding_window), scale)
+        return _decode_attention(query, kv_cache, kv_scales, groups[0], metadata.decode_mask(0, sliding_window),
+                                 scale)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
-        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, plan,
+        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, kv_scales, plan,
                                            metadata.decode_mask(i, sliding_window), scale)
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    scales = None if kv_scales is None else kv_scales.view(2, -1, kv_cache.shape[3])
     for i, plan in enumerate(metadata.prefills):
-        if plan.slots is None:
+        if plan.slots is None and scales is None:
             k, v = key[plan.start:plan.end], value[plan.start:plan.end]
         else:
-            k, v = cache.index_select(1, plan.slots).unbind(0)
+            slots = metadata.slot_mapping[plan.start:plan.end] if plan.slots is None else plan.slots
+            k, v = _gather(cache, scales, slots, query.dtype).unbind(0)
         mask = metadata.prefill_mask(i, sliding_window)
         # 4-D [1, heads, len, head_dim]: on CPU only 4-D inputs take the flash kernel (3-D falls back to math).
         o = F.scaled_dot_product_attention(query[plan.start:plan.end].transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -70,8 +88,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """``cache.index_select(1, index)`` (keys and values of the indexed slots or blocks), dequantized to
+    ``dtype`` with the same rows of ``scales`` when the cache is quantized."""
+    stored = cache.index_select(1, index)
+    return stored if scales is None else dequantize_kv(stored, scales.index_select(1, index), dtype)
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                      plan: DecodePlan, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Attention of one group of decodes: one block gather and one SDPA call for all of them.
 
     The ``g = num_heads // num_kv_heads`` query heads that share a KV head are laid out as ``g`` query rows
@@ -79,6 +105,7 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeP
 
     Args:
         query: ``[num_decodes, num_heads, head_dim]``.
+        kv_scales: the scales of a quantized ``kv_cache``, else ``None``.
         mask: the group's key mask from :meth:`AttentionMetadata.decode_mask`, or ``None``.
 
     Returns:
@@ -86,7 +113,7 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeP
     """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = kv_cache.index_select(1, plan.block_ids)
+    kv = _gather(kv_cache, kv_scales, plan.block_ids, query.dtype)
     kv = kv.view(2, num_decodes, plan.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)

@@ -3,7 +3,8 @@
 A step whose requests all have one new token (a decode step, the only kind captured in CUDA graphs) runs
 the split-K decode kernel, whose grid depends only on tensor shapes and ``metadata.max_seq_len``; any other
 step runs the varlen extend kernel over every request (prefill chunks, cached prefixes, mixed batches).
-Both read keys and values from the paged cache, so :func:`write_kv` must run first. Off CUDA the kernels
+Both read keys and values from the paged cache, so :func:`write_kv` must run first; an int8/fp8 cache is
+quantized as it is written and dequantized as it is read. Off CUDA the kernels
 need ``TRITON_INTERPRET=1`` (set before this module is imported), which is how the CPU tests run them.
 """
 
@@ -14,6 +15,7 @@ import os
 import torch
 import triton
 
+from kilat.model_executor.attention.kv_cache import quant_max
 from kilat.model_executor.attention.metadata import AttentionMetadata
 from kilat.model_executor.attention.triton_kernels import (
     NO_WINDOW,
@@ -33,32 +35,45 @@ _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 """Multiply in float32 copies under Triton's interpreter, whose 16-bit ``tl.dot`` is wrong."""
 
 
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+"""Mantissa bits and smallest normal exponent of each fp8 cache dtype."""
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 products in full IEEE precision (greedy float32 must match the reference); TF32 is not."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's new keys and values in the paged cache (slots < 0 are skipped: CUDA-graph padding).
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
+    """Store the step's new keys and values in the paged cache (slots < 0 are skipped: CUDA-graph padding),
+    quantized when it is (``kv_scales`` given), as :func:`kilat.model_executor.attention.kv_cache.quantize_kv`.
 
     Args:
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, updated in place.
-        key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the cache dtype; strided views are fine as
+        key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the model dtype; strided views are fine as
             long as the last dimension is contiguous.
         slot_mapping: int64 ``[num_new_tokens]``.
+        kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` (contiguous) for an int8/fp8
+            ``kv_cache``, updated in place; ``None`` for a cache in the model dtype.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    scales = kv_cache if kv_scales is None else kv_scales  # a placeholder pointer when unquantized
+    mantissa, min_exp = _FP8_GRID.get(kv_cache.dtype, (0, 0))
     write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+        key, value, kv_cache, scales, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), scales.stride(0), scales.stride(2), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        QMAX=0.0 if kv_scales is None else quant_max(kv_cache.dtype), INT8=kv_cache.dtype == torch.int8,
+        MANTISSA=mantissa, MIN_EXP=min_exp)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context.
 
     The signature of :func:`kilat.model_executor.attention.torch_ref.paged_attention`; ``key`` and ``value``
@@ -70,6 +85,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         metadata: the step's :class:`AttentionMetadata`.
         scale: softmax scale.
         sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p``.
+        kv_scales: the scales of an int8/fp8 ``kv_cache`` (see :func:`write_kv`), else ``None``.
 
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype (rows of padding requests are 0).
@@ -77,29 +93,43 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
+    cache = _PagedCache(kv_cache, kv_scales)
     if metadata.max_query_len == 1:
-        _decode(query, kv_cache, metadata, scale, sliding_window or NO_WINDOW, out)
+        _decode(query, cache, metadata, scale, sliding_window or NO_WINDOW, out)
     else:
-        _extend(query, kv_cache, metadata, scale, sliding_window or NO_WINDOW, out)
+        _extend(query, cache, metadata, scale, sliding_window or NO_WINDOW, out)
     return out
 
 
-def _decode(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, window: int,
+class _PagedCache:
+    """The cache and scale arguments every attention kernel takes (scales: the cache itself, unread, when
+    unquantized)."""
+
+    def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+        self.num_kv_heads = kv_cache.shape[3]
+        scales = kv_cache if kv_scales is None else kv_scales
+        self.pointers = (kv_cache, scales)
+        self.strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), scales.stride(0),
+                        scales.stride(1), scales.stride(2))
+        self.quantized = kv_scales is not None
+
+
+def _decode(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata, scale: float, window: int,
             out: torch.Tensor) -> None:
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
     num_splits = triton.cdiv(metadata.max_seq_len, PARTITION)
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache, metadata.block_table, metadata.seq_lens, part_out, part_lse, scale,
-        query.stride(0), query.stride(1), metadata.block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        kv_cache.stride(2), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-        part_lse.stride(1), window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=metadata.block_size, BLOCK_N=_BLOCK_N, PARTITION=PARTITION,
-        DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST)
+        query, *cache.pointers, metadata.block_table, metadata.seq_lens, part_out, part_lse, scale,
+        query.stride(0), query.stride(1), metadata.block_table.stride(0), *cache.strides, part_out.stride(0),
+        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), window, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=metadata.block_size,
+        BLOCK_N=_BLOCK_N, PARTITION=PARTITION, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST,
+        QUANT=cache.quantized)
     decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, metadata.seq_lens, num_splits, part_out.stride(0), part_out.stride(1),
         part_out.stride(2), part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
@@ -121,17 +151,17 @@ def _extend_tiles(metadata: AttentionMetadata, tile_tokens: int) -> tuple[torch.
     return metadata.cached(("triton_tiles", tile_tokens), build)
 
 
-def _extend(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, window: int,
+def _extend(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata, scale: float, window: int,
             out: torch.Tensor) -> None:
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
     block_m = max(_BLOCK_M, triton.next_power_of_2(group))
     tile_tokens = block_m // group
     tile_req, tile_start = _extend_tiles(metadata, tile_tokens)
     extend_kernel[(tile_req.shape[0], num_kv_heads)](
-        query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, tile_req, tile_start,
-        out, scale, query.stride(0), query.stride(1), metadata.block_table.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), out.stride(0), out.stride(1), window, GROUP=group,
-        TILE_TOKENS=tile_tokens, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=metadata.block_size, BLOCK_N=_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST)
+        query, *cache.pointers, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, tile_req,
+        tile_start, out, scale, query.stride(0), query.stride(1), metadata.block_table.stride(0), *cache.strides,
+        out.stride(0), out.stride(1), window, GROUP=group, TILE_TOKENS=tile_tokens, BLOCK_M=block_m,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=metadata.block_size,
+        BLOCK_N=_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST, QUANT=cache.quantized)
