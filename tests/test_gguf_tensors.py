@@ -1,4 +1,5 @@
-"""GGUF tensors read natively: block unpacking against gguf-py, names/shapes/row order against transformers."""
+"""GGUF tensors read natively: block unpacking against gguf-py, names/shapes/row order against transformers, and
+``--quantization gguf`` against the dequantized model."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ from gguf import GGMLQuantizationType as T
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
 
+from kilat.config import ModelConfig
+from kilat.engine.tokenizer import get_tokenizer
+from kilat.model_executor.layers import Linear, process_weights_after_loading
+from kilat.model_executor.layers.quantization import UnquantizedLinearMethod, kernels
 from kilat.model_executor.layers.quantization.gguf_blocks import GGUFTensor, dequantize, unpack_blocks
-from kilat.model_executor.loader import converted_gguf_dir, embedded_gguf_path
+from kilat.model_executor.layers.quantization.gguf_method import GGUFConfig, gguf_weights
+from kilat.model_executor.loader import converted_gguf_dir, embedded_gguf_path, get_model
 from kilat.model_executor.loader.gguf_tensors import gguf_to_hf_names, iterate_gguf_tensors
 from kilat.model_executor.loader.weights import iterate_safetensors
 from kilat.model_executor.models.llama import LlamaForCausalLM
+from tests.test_loader import _logits
 
 # ggml type -> (bits, group size, q range) of unpack_blocks' affine form
 AFFINE = {
@@ -29,20 +36,21 @@ FP16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets o
 EDGE_FP16 = np.array([0.0, 6e-8, -1.5, 65504.0], dtype=np.float16)  # zero, subnormal, negative, max
 
 
-def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator, small: bool = False) -> np.ndarray:
     """Valid ``qtype`` blocks ``[rows, bytes_per_row]``: gguf-py's quantizer of random weights where it has one
     (the first row all zeros), otherwise random bytes with finite fp16 ``d``/``dmin`` (the first blocks take
-    the edge values zero, subnormal, negative and the largest fp16)."""
+    the edge values zero, subnormal, negative and the largest fp16). ``small``: weights of magnitude ~0.1 and
+    no edge values (a model that stays finite)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if qtype not in FP16_FIELDS:
-        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        weights = rng.standard_normal((rows, cols)).astype(np.float32) * (0.1 if small else 1.0)
         weights[0] = 0
         return gguf.quants.quantize(weights, qtype)
     data = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
     blocks = data.reshape(-1, type_size)
     for offset in FP16_FIELDS[qtype]:
-        d = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
-        edges = min(len(d), len(EDGE_FP16))
+        d = (rng.standard_normal(len(blocks)) * (1e-4 if small else 0.05)).astype(np.float16)
+        edges = 0 if small else min(len(d), len(EDGE_FP16))
         d[:edges] = EDGE_FP16[:edges]
         blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(-1, 2)
     return data
@@ -103,29 +111,34 @@ def test_gguf_tensor_checks_its_bytes() -> None:
 
 # --- a tiny GGUF file -------------------------------------------------------------------------------------
 
-HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 64, 2
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 64, 3
 HEAD_DIM = HIDDEN // HEADS
-# (layer, llama.cpp tensor) -> ggml type; the rest of the weights are Q8_0, norms F32
+# (layer, llama.cpp tensor) -> ggml type: layer 0 mixes affine forms within qkv and gate_up, layer 1 mixes
+# quantized and dense shards, layer 2's shards share one form (4-bit g32 qkv, 8-bit g32 gate_up)
 TYPES = {
     (0, "attn_q"): T.Q4_K, (0, "attn_k"): T.Q6_K, (0, "attn_v"): T.Q5_K, (0, "attn_output"): T.Q4_0,
     (0, "ffn_gate"): T.Q4_1, (0, "ffn_up"): T.Q8_0, (0, "ffn_down"): T.Q6_K,
     (1, "attn_q"): T.Q4_0, (1, "attn_k"): T.Q4_1, (1, "attn_v"): T.F16, (1, "attn_output"): T.BF16,
     (1, "ffn_gate"): T.F32, (1, "ffn_up"): T.Q4_K, (1, "ffn_down"): T.Q5_K,
+    (2, "attn_q"): T.Q4_1, (2, "attn_k"): T.Q4_0, (2, "attn_v"): T.Q4_K, (2, "attn_output"): T.Q5_0,
+    (2, "ffn_gate"): T.Q8_0, (2, "ffn_up"): T.Q5_K, (2, "ffn_down"): T.Q4_K,
 }
 
 
-def _add(writer: gguf.GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng: np.random.Generator) -> None:
+def _add(writer: gguf.GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng: np.random.Generator,
+         small: bool) -> None:
+    dense = rng.standard_normal((rows, cols)).astype(np.float32) * (0.1 if small else 1.0)
     if qtype in (T.F32, T.F16):
-        writer.add_tensor(name, rng.standard_normal((rows, cols)).astype(np.float32 if qtype == T.F32 else np.float16))
+        writer.add_tensor(name, dense.astype(np.float32 if qtype == T.F32 else np.float16))
     elif qtype == T.BF16:
-        writer.add_tensor(name, gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T.BF16),
-                          raw_dtype=T.BF16)
+        writer.add_tensor(name, gguf.quants.quantize(dense, T.BF16), raw_dtype=T.BF16)
     else:
-        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+        writer.add_tensor(name, random_blocks(qtype, rows, cols, rng, small), raw_dtype=qtype)
 
 
-def write_tiny_gguf(path: Path, arch: str) -> None:
-    """A 2-layer ``arch`` (llama, qwen2, qwen3) GGUF with the mix of types in ``TYPES``, untied output."""
+def write_tiny_gguf(path: Path, arch: str, tied: bool = False, small: bool = False) -> None:
+    """A 3-layer ``arch`` (llama, qwen2, qwen3) GGUF with the mix of types in ``TYPES``; ``tied``: no
+    ``output.weight``; ``small``: see :func:`random_blocks`."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
@@ -140,15 +153,16 @@ def write_tiny_gguf(path: Path, arch: str) -> None:
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(VOCAB)
-    _add(writer, "token_embd.weight", T.Q8_0, VOCAB, HIDDEN, rng)
-    _add(writer, "output.weight", T.Q6_K, VOCAB, HIDDEN, rng)
+    _add(writer, "token_embd.weight", T.Q8_0, VOCAB, HIDDEN, rng, small)
+    if not tied:
+        _add(writer, "output.weight", T.Q6_K, VOCAB, HIDDEN, rng, small)
     writer.add_tensor("output_norm.weight", rng.standard_normal(HIDDEN).astype(np.float32))
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
               "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
     for layer in range(LAYERS):
         for name, (rows, cols) in shapes.items():
-            _add(writer, f"blk.{layer}.{name}.weight", TYPES[layer, name], rows, cols, rng)
+            _add(writer, f"blk.{layer}.{name}.weight", TYPES[layer, name], rows, cols, rng, small)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.standard_normal(HIDDEN).astype(np.float32))
         if arch == "qwen2":
@@ -260,3 +274,84 @@ def test_embedded_smollm2_tensors_match_the_float32_conversion() -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, torch.float32)
     model.load_weights((name, torch.empty(t.shape, device="meta")) for name, t in ours.items())
+
+
+# --- --quantization gguf ----------------------------------------------------------------------------------
+
+
+def _native_and_dense(path: Path) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The file loaded natively (``GGUFConfig``) and through transformers' float32 dequantization, float32."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    reference = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
+    dense = LlamaForCausalLM(config, torch.float32)
+    dense.load_weights(reference.items())
+    native = LlamaForCausalLM(config, torch.float32, GGUFConfig())
+    native.load_weights(gguf_weights(iterate_gguf_tensors(str(path), config)))
+    for model in (dense, native):
+        process_weights_after_loading(model)
+    return native, dense
+
+
+def _parts(layer: torch.nn.Module) -> list[str]:
+    """``layer``'s GGUF parts as ``"<bits>/<group>"`` or ``"dense"``."""
+    return [f"{p.bits}/{p.group_size}" if isinstance(p, kernels.QuantWeight) else "dense"
+            for p in layer.quant_method.parts]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gguf_method_matches_dequantize_then_matmul(tmp_path: Path, tied: bool) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", tied=tied, small=True)
+    native, dense = _native_and_dense(path)
+    layers = native.model.layers
+    assert _parts(layers[0].self_attn.qkv_proj) == ["4/32", "8/16", "8/32"]  # Q4_K, Q6_K, Q5_K: one per shard
+    assert _parts(layers[0].mlp.gate_up_proj) == ["4/32", "8/32"]  # Q4_1, Q8_0
+    assert _parts(layers[1].self_attn.qkv_proj) == ["4/32", "4/32", "dense"]  # Q4_0, Q4_1, F16
+    assert _parts(layers[1].mlp.gate_up_proj) == ["dense", "4/32"]  # F32, Q4_K
+    assert _parts(layers[2].self_attn.qkv_proj) == ["4/32"]  # Q4_1 + Q4_0 + Q4_K stacked into one
+    assert _parts(layers[2].mlp.gate_up_proj) == ["8/32"]  # Q8_0 + Q5_K
+    for o_proj in (layers[1].self_attn.o_proj, layers[2].self_attn.o_proj):  # BF16; Q5_0 has no affine form
+        assert isinstance(o_proj.quant_method._dense, UnquantizedLinearMethod)
+    assert not hasattr(layers[0].self_attn.qkv_proj, "weight")  # the placeholder is gone
+    embed = native.model.embed_tokens
+    assert embed.qweight is not None and embed.qweight.bits == 8 and not hasattr(embed, "weight")
+    head = native.lm_head.quant_method.parts
+    assert (head[0] is embed.qweight) == tied and _parts(native.lm_head) == ["8/32" if tied else "8/16"]
+
+    torch.manual_seed(0)
+    dense_modules = dict(dense.named_modules())
+    for name, module in native.named_modules():
+        if isinstance(module, Linear):
+            x = torch.randn(3, module.input_size)
+            torch.testing.assert_close(module(x), dense_modules[name](x), rtol=1e-5, atol=1e-5, msg=name)
+    ids = torch.arange(0, VOCAB, 5)
+    assert torch.equal(embed(ids), dense.model.embed_tokens(ids))
+    native_logits, dense_logits = _logits(native, ids.tolist()), _logits(dense, ids.tolist())
+    torch.testing.assert_close(native_logits, dense_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(native_logits.argmax(-1), dense_logits.argmax(-1))
+
+
+def test_gguf_method_rejects_a_wrong_shape(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    model = LlamaForCausalLM(config, torch.float32, GGUFConfig())
+    blocks = dict(iterate_gguf_tensors(str(path), config))["model.layers.0.self_attn.q_proj.weight"]
+    with pytest.raises(ValueError, match=r"shard 1 of weight: expected shape \(128, 256\), got \(256, 256\)"):
+        model.model.layers[0].self_attn.qkv_proj.load_weight("weight", blocks, 1)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_runs_natively() -> None:
+    """``--quantization gguf`` on the embedded Q4_1 file: Q4_1 linears, the Q8_0 table shared with the tied
+    ``lm_head``, and logits of the float32 reference to float rounding."""
+    native, _, _ = get_model(ModelConfig(quantization="gguf", dtype="float32"), "cpu")
+    reference, _, _ = get_model(ModelConfig(dtype="float32"), "cpu")
+    assert _parts(native.model.layers[0].self_attn.qkv_proj) == ["4/32"]
+    assert native.lm_head.quant_method.parts[0] is native.model.embed_tokens.qweight
+    ids = get_tokenizer(None)("The capital of France is").input_ids
+    native_logits, reference_logits = _logits(native, ids), _logits(reference, ids)
+    torch.testing.assert_close(native_logits, reference_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(native_logits.argmax(-1), reference_logits.argmax(-1))

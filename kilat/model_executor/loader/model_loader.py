@@ -7,6 +7,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,9 +16,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kilat.config import ModelConfig, resolve_dtype
 from kilat.model_executor.layers import Linear, process_weights_after_loading
-from kilat.model_executor.layers.quantization import resolve_quantization
+from kilat.model_executor.layers.quantization import QuantizationConfig, resolve_quantization
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS, init_dummy_weights
 from kilat.model_executor.loader.gguf import converted_gguf_dir
+from kilat.model_executor.loader.gguf_tensors import iterate_gguf_tensors
 from kilat.model_executor.loader.source import ModelSource, resolve_model_source
 from kilat.model_executor.loader.weights import iterate_safetensors
 from kilat.model_executor.models.registry import architecture_of, get_model_class
@@ -81,8 +84,7 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     if source.kind == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        weights_dir = converted_gguf_dir(source.path) if source.kind == "gguf" else source.path
-        model.load_weights(iterate_safetensors(weights_dir))
+        model.load_weights(_checkpoint_weights(source, config, quant_config))
     num_params = sum(p.numel() for p in model.parameters())
     process_weights_after_loading(model)
     model.eval()
@@ -92,6 +94,17 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
                 str(dtype).removeprefix("torch."), num_params / 1e6, model.num_layers,
                 ", ".join(f"{n} {name}" for name, n in methods.items()), time.perf_counter() - started)
     return model, config, dtype
+
+
+def _checkpoint_weights(source: ModelSource, config: PretrainedConfig, quant_config: QuantizationConfig | None
+                        ) -> Iterator[tuple[str, Any]]:
+    """The HF-named tensors of an HF or GGUF source: a GGUF file's own blocks under ``--quantization gguf``,
+    else its cached float32 conversion (``gguf.py``)."""
+    if source.kind == "gguf" and quant_config is not None and quant_config.name == "gguf":
+        from kilat.model_executor.layers.quantization.gguf_method import gguf_weights
+
+        return gguf_weights(iterate_gguf_tensors(source.path, config))
+    return iterate_safetensors(converted_gguf_dir(source.path) if source.kind == "gguf" else source.path)
 
 
 def _config_from_dict(values: dict) -> PretrainedConfig:

@@ -215,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
         ``*.q_proj``/``k_proj``/``v_proj`` go into shards of ``qkv_proj``, ``gate_proj``/``up_proj`` into
         ``gate_up_proj``. A linear layer's tensors go through its quantization method (``Linear.load_weight``:
         dense tensors are converted to the parameter dtype; a quantized checkpoint's ``qweight``/``scales``/...
-        or GGUF blocks are the method's own); others are copied into the parameter. Rotary ``inv_freq``
-        buffers and, for tied models, ``lm_head.weight`` are ignored.
+        or GGUF blocks are the method's own); the embedding table goes to ``VocabEmbedding.load_weight`` (dense,
+        or a quantized ``QuantWeight`` that a tied ``lm_head`` then shares); others are copied into the parameter.
+        Rotary ``inv_freq`` buffers and, for tied models, ``lm_head.weight`` are ignored.
 
         Raises:
             ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
@@ -245,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
             target = f"{module_name}.{attr}"
             if module_name in linears and target in params:
                 linears[module_name].load_weight(attr, tensor, shard)
+            elif target == "model.embed_tokens.weight":
+                self.model.embed_tokens.load_weight(tensor)
             elif target not in params or shard is not None:
                 unexpected.append(name)
                 continue
@@ -254,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
                 params[target].data.copy_(tensor)
             loaded.add((target, shard))
 
+        if self.tie_word_embeddings and self.model.embed_tokens.qweight is not None:
+            self.lm_head.load_weight("weight", self.model.embed_tokens.qweight)  # shares the quantized table
         missing = sorted(f"{name}" + (f" (shard {shard})" if shard is not None else "")
                          for name, shard in expected - loaded)
         if unexpected or missing:

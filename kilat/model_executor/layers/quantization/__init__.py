@@ -19,6 +19,7 @@ from kilat.model_executor.layers.quantization.base import LinearMethod, Quantiza
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod, can_pack
 
 QUANTIZATION_METHODS: dict[str, str] = {
+    "gguf": "kilat.model_executor.layers.quantization.gguf_method:GGUFConfig",
     "int8": "kilat.model_executor.layers.quantization.weight_only:Int8Config",
     "int4": "kilat.model_executor.layers.quantization.weight_only:Int4Config",
     "fp8": "kilat.model_executor.layers.quantization.fp8:Fp8Config",

@@ -86,25 +86,22 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _shifts(*values: int, dims: int) -> torch.Tensor:
-    """A uint8 shift vector along dimension ``-2`` of a ``dims``-dimensional broadcast."""
-    return torch.tensor(values, dtype=torch.uint8).view(*([1] * (dims - 2)), len(values), 1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Bytes ``[n, chunks, 32]`` -> 4-bit codes ``[n, chunks * 2, 32]``: each chunk's low nibbles, then its high."""
-    n = qs.shape[0]
-    return ((qs.unsqueeze(2) >> _shifts(0, 4, dims=4)) & 0x0F).reshape(n, -1, 32)
+def _bit_fields(b: torch.Tensor, width: int) -> torch.Tensor:
+    """Bytes ``[n, chunks, L]`` -> their ``width``-bit fields, lowest first, ``[n, chunks * 8 / width * L / 32, 32]``:
+    each chunk's field 0 of every byte, then its field 1, ... (ggml's order within a chunk)."""
+    mask = (1 << width) - 1
+    fields = torch.stack([(b >> shift) & mask for shift in range(0, 8, width)], dim=2)
+    return fields.reshape(b.shape[0], -1, 32)
 
 
 def _q4_0(b: torch.Tensor) -> Affine:
     d = _fp16(b[:, :2])
-    q = _nibbles(b[:, 2:].reshape(-1, 1, 16)).reshape(-1, 32)
+    q = _bit_fields(b[:, 2:].reshape(-1, 1, 16), 4).reshape(-1, 32)
     return q, d, d * -8.0
 
 
 def _q4_1(b: torch.Tensor) -> Affine:
-    q = _nibbles(b[:, 4:].reshape(-1, 1, 16)).reshape(-1, 32)
+    q = _bit_fields(b[:, 4:].reshape(-1, 1, 16), 4).reshape(-1, 32)
     return q, _fp16(b[:, :2]), _fp16(b[:, 2:4])
 
 
@@ -129,21 +126,21 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_k(b: torch.Tensor) -> Affine:
     scale, zero = _k_scales(b)
-    q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, QK_K)
+    q = _bit_fields(b[:, 16:].reshape(-1, 4, 32), 4).reshape(-1, QK_K)
     return q, scale, zero
 
 
 def _q5_k(b: torch.Tensor) -> Affine:
     scale, zero = _k_scales(b)
-    low = _nibbles(b[:, 48:].reshape(-1, 4, 32))  # [n, 8, 32]
-    high = (b[:, 16:48].unsqueeze(1) >> _shifts(*range(8), dims=3)) & 0x01  # bit i of qh[j]: sub-block i
+    low = _bit_fields(b[:, 48:].reshape(-1, 4, 32), 4)  # [n, 8, 32]
+    high = _bit_fields(b[:, 16:48].reshape(-1, 1, 32), 1)  # bit i of qh[j]: sub-block i
     return (low | (high << 4)).view(torch.int8).reshape(-1, QK_K), scale, zero
 
 
 def _q6_k(b: torch.Tensor) -> Affine:
     n = b.shape[0]
-    low = ((b[:, :128].reshape(n, 2, 1, 64) >> _shifts(0, 4, dims=4)) & 0x0F).reshape(n, 8, 32)
-    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, dims=4)) & 0x03).reshape(n, 8, 32)
+    low = _bit_fields(b[:, :128].reshape(n, 2, 64), 4)  # [n, 8, 32]
+    high = _bit_fields(b[:, 128:192].reshape(n, 2, 32), 2)
     q = (low | (high << 4)).view(torch.int8) - 32
     scale = _fp16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
     return q.reshape(n, QK_K), scale, torch.zeros_like(scale)
