@@ -5,18 +5,20 @@ either computation rounds. Float32: both sides round ``K`` + a few products/sums
 roundoff ``u = 2^-24`` each, so they differ by at most ``2 (K + 4) u absdot``. Bfloat16: the reference rounds the
 weight to bfloat16 (relative ``2^-9``) and both round the output (``2^-9`` of ``|y| <= absdot``) after float32
 accumulation, so they differ by at most ``3 * 2^-9 absdot`` plus float32 terms; ``2^-7 absdot`` is used (float16:
-``2^-9``). The C++ kernels' bfloat16/float16 path below ``DENSE_MIN_M`` rows also rounds ``x`` to int8 per block of
+``2^-9``). The C++ kernels' bfloat16/float16 path also rounds ``x`` to int8 per block of
 ``B`` columns (``x ~ d round(x / d)``, ``d = max|x| / 127`` over the block), which moves each product ``q s x`` by at
 most ``|q s| d / 2``: that sum is added to the bound.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization import kernels, native
 from kilat.model_executor.layers.quantization.kernels import (
     QuantWeight,
     dequantize,
@@ -116,7 +118,7 @@ def test_pack_without_zero_and_q4_1_mapping() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("bits,n,k,group", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("m", [1, 3, 64, kernels.DENSE_MIN_M + 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
                                                     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,7 +135,7 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     if bias is not None:
         bound = bound + bias.double().abs()
     tol = 2 * (k + 4) * 2.0 ** -24 * bound if TOL[dtype] is None else TOL[dtype] * bound
-    if backend == "native" and dtype != torch.float32 and m < kernels.DENSE_MIN_M:
+    if backend == "native" and dtype != torch.float32:
         tol = tol + int8_activation_bound(x, q, scale)
     err = (y.double() - ref.double()).abs()
     assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} over tolerance"
@@ -194,3 +196,39 @@ def test_quant_weight_reports_bytes() -> None:
     q8, scale8, _ = make_weight(8, 16, 40, 40)
     # per-channel: 40 columns padded to 64, one byte each; float32 scale and zero per row
     assert pack_weight(q8, scale8, None, 8).nbytes == 16 * 64 + 16 * 2 * 4
+
+
+def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KILAT_QUANT_KERNELS=torch`` gives the torch path; unset, the kernels load (a C++ compiler is present)."""
+    monkeypatch.setenv(native.ENV_BACKEND, "torch")
+    native.load_native.cache_clear()
+    try:
+        assert native.load_native() is None
+        monkeypatch.delenv(native.ENV_BACKEND)
+        native.load_native.cache_clear()
+        ops = native.load_native()
+        assert ops is not None and ops.has_avx512() == ("avx512_vnni" in native._cpu_flags())
+    finally:
+        native.load_native.cache_clear()
+
+
+def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A source that does not compile logs one warning with the compiler's error; quant_linear still answers."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "deliberately broken"\n')
+    monkeypatch.setattr(native, "SOURCE", str(broken))
+    monkeypatch.setenv("KILAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.ENV_BACKEND, raising=False)
+    native.load_native.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kilat"):
+            assert native.load_native() is None
+        assert any("torch path" in r.message and "deliberately broken" in r.message for r in caplog.records)
+        q, scale, zero = make_weight(4, 16, 32, 32)
+        w = pack_weight(q, scale, zero, 4)
+        x = torch.randn(2, 32)
+        torch.testing.assert_close(quant_linear(x, w), F.linear(x, dequantize(w)), rtol=0, atol=0)
+        assert not list((tmp_path / "cache" / "kernels").glob("*/*.so"))
+    finally:
+        native.load_native.cache_clear()

@@ -324,15 +324,35 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
 template <typename S, typename T>
 void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
   at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
+    float tile[16][kRows];  // 16 columns x 16 rows
     for (int64_t blk = begin; blk < end; ++blk) {
       const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
       const int64_t rows = std::min(kRows, l.n - blk * kRows);
-      for (int r = 0; r < rows; ++r) {
-        T* o = out + (blk * kRows + r) * l.k;
-        for (int64_t g = 0; g < l.groups; ++g) {
-          const float s = scale_at(sz, l, blk, g, 0, r), z = scale_at(sz, l, blk, g, 1, r);
-          const int64_t stop = std::min((g + 1) * l.span, l.k);
-          for (int64_t c = g * l.span; c < stop; ++c) o[c] = static_cast<T>(static_cast<float>(q_at(bq, l, r, c)) * s + z);
+      for (int64_t c0 = 0; c0 < l.k; c0 += 16) {  // 16 columns never straddle a group (span % 16 == 0)
+        const int64_t g = c0 / l.span;
+#ifdef KILAT_AVX512
+        __m512 sv, zv;
+        load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
+        for (int64_t ch = 0; ch < 4; ++ch) {
+          const uint8_t* wp = bq + (c0 / kCols + ch) * l.chunk_bytes;
+          __m512i w = l.bits == 4 ? load_chunk<4>(wp) : _mm512_xor_si512(load_chunk<8>(wp), _mm512_set1_epi8(static_cast<char>(0x80)));
+          for (int j = 0; j < kCols; ++j) {
+            const __m512i qi = l.bits == 4 ? _mm512_and_si512(_mm512_srli_epi32(w, 8 * j), _mm512_set1_epi32(0xFF))
+                                           : _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24);
+            // q * s + z rounded twice, as torch computes it (no FMA)
+            _mm512_storeu_ps(tile[ch * kCols + j], _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), sv), zv));
+          }
+        }
+#else
+        for (int j = 0; j < 16; ++j)
+          for (int r = 0; r < kRows; ++r)
+            tile[j][r] = static_cast<float>(q_at(bq, l, r, c0 + j)) * scale_at(sz, l, blk, g, 0, r) +
+                         scale_at(sz, l, blk, g, 1, r);
+#endif
+        const int64_t cols = std::min<int64_t>(16, l.k - c0);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* o = out + (blk * kRows + r) * l.k + c0;
+          for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<T>(tile[j][r]);
         }
       }
     }

@@ -23,8 +23,8 @@ Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use,
 quantized to int8 per block of 32 columns (16 for ``G = 16``) with scale ``d = max|x| / 127``, integer dot
 products with VNNI; the only error beyond float rounding is ``|x - d round(x / d)| <= d / 2`` per element. For
 float32 ``x``, ``q`` is widened to float32 and multiplied with FMAs (float rounding only, matching
-dequantize-then-matmul). From :data:`DENSE_MIN_M` rows on (prefill) it dequantizes the weight to ``x``'s dtype and
-runs the dense matmul (oneDNN). Without the extension (no compiler, build error, or ``KILAT_QUANT_KERNELS=torch``)
+dequantize-then-matmul); from :data:`DENSE_MIN_M` rows of float32 on it dequantizes the weight and runs the dense
+float32 matmul. Without the extension (no compiler, build error, or ``KILAT_QUANT_KERNELS=torch``)
 everything runs as dequantize-then-``F.linear`` in torch.
 """
 
@@ -40,8 +40,10 @@ from kilat.model_executor.layers.quantization.native import load_native
 
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 COLS = 4  # columns per chunk (one 32-bit lane holds 4 int8)
-DENSE_MIN_M = 32
-"""From this many rows of ``x`` on, :func:`quant_linear` dequantizes and runs the dense matmul (measured crossover)."""
+DENSE_MIN_M = 128
+"""From this many rows of a float32 ``x`` on, :func:`quant_linear` dequantizes and runs the dense matmul (measured:
+the FMA kernel wins below, dequantize + dense float32 above). Bfloat16/float16 always take the int8 kernel, which
+beats dense bfloat16 (oneDNN, AVX-512 BF16 without AMX) at every M measured, 1 to 512."""
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -202,7 +204,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
     Returns:
         ``[..., N]`` in ``x.dtype``: dequantize-then-matmul up to float rounding (float32 accumulation), and for
-        bfloat16/float16 ``x`` below :data:`DENSE_MIN_M` rows, the int8 rounding of ``x`` (module docstring).
+        bfloat16/float16 ``x`` with the C++ kernels, the int8 rounding of ``x`` (module docstring).
 
     Raises:
         ValueError: when ``x``'s last dimension is not ``K``.
@@ -210,7 +212,8 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
-    if ops is None or x.dtype not in _NATIVE_DTYPES or x.numel() >= DENSE_MIN_M * w.in_features:
+    if ops is None or x.dtype not in _NATIVE_DTYPES or (
+            x.dtype == torch.float32 and x.numel() >= DENSE_MIN_M * w.in_features):
         return F.linear(x, dequantize(w, x.dtype), bias)
     return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
 

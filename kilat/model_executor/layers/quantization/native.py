@@ -96,6 +96,8 @@ def load_native() -> Any | None:
     if os.environ.get(ENV_BACKEND, "auto") == "torch":
         logger.info("%s=torch: quantized matmuls use the torch path", ENV_BACKEND)
         return None
+    if hasattr(torch.ops.kilat_quant, "gemm"):  # loaded earlier in this process (from any cache folder)
+        return torch.ops.kilat_quant
     try:
         torch.ops.load_library(_library_path())
         return torch.ops.kilat_quant
