@@ -218,6 +218,7 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "deliberately broken"\n')
     monkeypatch.setattr(native, "SOURCE", str(broken))
+    monkeypatch.setattr(native, "_loaded", lambda: False)
     monkeypatch.setenv("KILAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(native.ENV_BACKEND, raising=False)
     native.load_native.cache_clear()

@@ -90,13 +90,18 @@ def _library_path() -> str:
     return library
 
 
+def _loaded() -> bool:
+    """Whether this process loaded the library already (from any cache folder; it registers its ops once)."""
+    return hasattr(torch.ops.kilat_quant, "gemm")
+
+
 @functools.cache
 def load_native() -> Any | None:
     """``torch.ops.kilat_quant`` (built and loaded on the first call), or ``None`` for the torch path."""
     if os.environ.get(ENV_BACKEND, "auto") == "torch":
         logger.info("%s=torch: quantized matmuls use the torch path", ENV_BACKEND)
         return None
-    if hasattr(torch.ops.kilat_quant, "gemm"):  # loaded earlier in this process (from any cache folder)
+    if _loaded():
         return torch.ops.kilat_quant
     try:
         torch.ops.load_library(_library_path())
