@@ -84,7 +84,7 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     if source.kind == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(_checkpoint_weights(source, config, quant_config))
+        model.load_weights(_checkpoint_weights(source, config, quant_config, device))
     num_params = sum(p.numel() for p in model.parameters())
     process_weights_after_loading(model)
     model.eval()
@@ -96,14 +96,14 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     return model, config, dtype
 
 
-def _checkpoint_weights(source: ModelSource, config: PretrainedConfig, quant_config: QuantizationConfig | None
-                        ) -> Iterator[tuple[str, Any]]:
+def _checkpoint_weights(source: ModelSource, config: PretrainedConfig, quant_config: QuantizationConfig | None,
+                        device: torch.device | str) -> Iterator[tuple[str, Any]]:
     """The HF-named tensors of an HF or GGUF source: a GGUF file's own blocks under ``--quantization gguf``,
     else its cached float32 conversion (``gguf.py``)."""
     if source.kind == "gguf" and quant_config is not None and quant_config.name == "gguf":
         from kilat.model_executor.layers.quantization.gguf_method import gguf_weights
 
-        return gguf_weights(iterate_gguf_tensors(source.path, config))
+        return gguf_weights(iterate_gguf_tensors(source.path, config), device)
     return iterate_safetensors(converted_gguf_dir(source.path) if source.kind == "gguf" else source.path)
 
 

@@ -81,9 +81,9 @@ Affine = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(q [n_blocks, block_size], scale [n_blocks, groups], zero [n_blocks, groups])`` of a run of blocks."""
 
 
-def _fp16(b: torch.Tensor) -> torch.Tensor:
-    """Little-endian fp16 bytes ``[n, 2]`` -> float32 ``[n, 1]``."""
-    return b.contiguous().view(torch.float16).float()
+def _fp16(b: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian fp16 at byte ``offset`` (even) of each block ``b [n, type_size]`` -> float32 ``[n, 1]``."""
+    return b.view(torch.float16)[:, offset // 2:offset // 2 + 1].float()
 
 
 def _bit_fields(b: torch.Tensor, width: int) -> torch.Tensor:
@@ -95,18 +95,18 @@ def _bit_fields(b: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> Affine:
-    d = _fp16(b[:, :2])
+    d = _fp16(b, 0)
     q = _bit_fields(b[:, 2:].reshape(-1, 1, 16), 4).reshape(-1, 32)
     return q, d, d * -8.0
 
 
 def _q4_1(b: torch.Tensor) -> Affine:
     q = _bit_fields(b[:, 4:].reshape(-1, 1, 16), 4).reshape(-1, 32)
-    return q, _fp16(b[:, :2]), _fp16(b[:, 2:4])
+    return q, _fp16(b, 0), _fp16(b, 2)
 
 
 def _q8_0(b: torch.Tensor) -> Affine:
-    d = _fp16(b[:, :2])
+    d = _fp16(b, 0)
     return b[:, 2:].view(torch.int8), d, torch.zeros_like(d)
 
 
@@ -116,7 +116,7 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The 12 bytes pack eight 6-bit scales and eight 6-bit mins: sub-blocks 0-3 in the low 6 bits of bytes 0-3
     (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles of bytes 8-11 plus the top 2 bits of bytes 0-7.
     """
-    d, dmin = _fp16(b[:, :2]), _fp16(b[:, 2:4])
+    d, dmin = _fp16(b, 0), _fp16(b, 2)
     s = b[:, 4:16].reshape(-1, 3, 4)
     lo_sc, lo_m, hi = s[:, 0], s[:, 1], s[:, 2]
     sc = torch.cat([lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 2) & 0x30)], dim=1)
@@ -142,7 +142,7 @@ def _q6_k(b: torch.Tensor) -> Affine:
     low = _bit_fields(b[:, :128].reshape(n, 2, 64), 4)  # [n, 8, 32]
     high = _bit_fields(b[:, 128:192].reshape(n, 2, 32), 2)
     q = (low | (high << 4)).view(torch.int8) - 32
-    scale = _fp16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
+    scale = _fp16(b, 208) * b[:, 192:208].view(torch.int8).float()
     return q.reshape(n, QK_K), scale, torch.zeros_like(scale)
 
 
@@ -175,7 +175,7 @@ def unpack_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
                          f"{sorted(q.name for q in AFFINE_TYPES)}")
     bits, unpack = _UNPACKERS[t.qtype]
     rows, cols = t.shape
-    q, scale, zero = unpack(t.data.reshape(-1, t.type_size))
+    q, scale, zero = unpack(t.data.reshape(-1, t.type_size).contiguous())
     return q.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1), bits
 
 

@@ -34,24 +34,25 @@ Part = kernels.QuantWeight | torch.Tensor
 """One shard's (or a whole layer's) weight after loading: packed, or dense ``[rows, in]`` in the model dtype."""
 
 
-def to_quant_weight(t: GGUFTensor) -> kernels.QuantWeight:
-    """``t`` packed for the quantized kernels (exact: the same ``q * scale + zero``).
+def to_quant_weight(t: GGUFTensor, device: torch.device | str = "cpu") -> kernels.QuantWeight:
+    """``t`` packed for the quantized kernels on ``device`` (exact: the same ``q * scale + zero``).
 
     Raises:
         ValueError: a type without an affine form (see ``gguf_blocks.AFFINE_TYPES``).
     """
     q, scale, zero, bits = unpack_blocks(t)
-    return kernels.pack_weight(q, scale, zero, bits)
+    return kernels.pack_weight(q.to(device), scale.to(device), zero.to(device), bits)
 
 
-def gguf_weights(weights: Iterable[tuple[str, GGUFTensor | torch.Tensor]]
+def gguf_weights(weights: Iterable[tuple[str, GGUFTensor | torch.Tensor]], device: torch.device | str = "cpu"
                  ) -> Iterator[tuple[str, GGUFTensor | kernels.QuantWeight | torch.Tensor]]:
     """``weights`` as the model's ``load_weights`` takes them under ``--quantization gguf``: linear weights stay
     :class:`GGUFTensor` (their layers' :class:`GGUFLinearMethod` packs them), the token embedding becomes a
-    ``QuantWeight`` (or float32 for a type without an affine form), everything else passes through."""
+    ``QuantWeight`` on ``device`` (or float32 for a type without an affine form), everything else passes
+    through."""
     for name, tensor in weights:
         if name.endswith("embed_tokens.weight") and isinstance(tensor, GGUFTensor):
-            tensor = to_quant_weight(tensor) if tensor.qtype in AFFINE_TYPES else dequantize(tensor)
+            tensor = to_quant_weight(tensor, device) if tensor.qtype in AFFINE_TYPES else dequantize(tensor)
         yield name, tensor
 
 
@@ -111,7 +112,7 @@ class GGUFLinearMethod(LinearMethod):
             else:
                 parts.append(item)
             start += rows
-        self.parts = _pack(parts)
+        self.parts = _pack(parts, layer.weight.device)
         self._loaded.clear()
         del layer.weight
 
@@ -140,16 +141,16 @@ def _matmul(x: torch.Tensor, part: Part, bias: torch.Tensor | None) -> torch.Ten
     return F.linear(x, part, bias)
 
 
-def _pack(parts: list[GGUFTensor | kernels.QuantWeight | torch.Tensor]) -> list[Part]:
-    """Pack GGUF shards: all affine with the same bits and group size -> one ``QuantWeight`` (rows stacked);
-    otherwise each shard on its own (a ``QuantWeight`` shared with the embedding is kept as it is)."""
+def _pack(parts: list[GGUFTensor | kernels.QuantWeight | torch.Tensor], device: torch.device) -> list[Part]:
+    """Pack GGUF shards on ``device``: all affine with the same bits and group size -> one ``QuantWeight`` (rows
+    stacked); otherwise each shard on its own (a ``QuantWeight`` shared with the embedding is kept as it is)."""
     blocks = [p for p in parts if isinstance(p, GGUFTensor)]
     if len(blocks) == len(parts) > 1:
         unpacked = [unpack_blocks(p) for p in blocks]
         if len({(bits, q.shape[1] // scale.shape[1]) for q, scale, _, bits in unpacked}) == 1:
-            q, scale, zero = (torch.cat([u[i] for u in unpacked]) for i in range(3))
+            q, scale, zero = (torch.cat([u[i] for u in unpacked]).to(device) for i in range(3))
             return [kernels.pack_weight(q, scale, zero, unpacked[0][3])]
-    return [to_quant_weight(p) if isinstance(p, GGUFTensor) else p for p in parts]
+    return [to_quant_weight(p, device) if isinstance(p, GGUFTensor) else p for p in parts]
 
 
 @dataclass
