@@ -23,6 +23,8 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "int8": "kilat.model_executor.layers.quantization.weight_only:Int8Config",
     "int4": "kilat.model_executor.layers.quantization.weight_only:Int4Config",
     "fp8": "kilat.model_executor.layers.quantization.fp8:Fp8Config",
+    "awq": "kilat.model_executor.layers.quantization.awq_gptq:AWQConfig",
+    "gptq": "kilat.model_executor.layers.quantization.awq_gptq:GPTQConfig",
 }
 """Method name -> ``module:class`` of its :class:`QuantizationConfig`, imported on first use."""
 
@@ -96,7 +98,7 @@ def resolve_quantization(quantization: str | None, options: dict[str, Any] | Non
     if checkpoint is None and not cls.online and source_kind != "gguf":
         raise ValueError(f"quantization {quantization!r} needs a checkpoint quantized with it (config.json "
                          f"quantization_config.quant_method = {quantization!r}); {path} has none")
-    config = cls.from_options({**(checkpoint or {}), **(options or {})})
+    config = cls.from_options(options or {}) if checkpoint is None else cls.from_checkpoint(checkpoint, options or {})
     config.verify(dtype, device)
     return config
 

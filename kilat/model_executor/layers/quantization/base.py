@@ -90,6 +90,16 @@ class QuantizationConfig(ABC):
                              f"known: {sorted(names)}")
         return cls(**options)
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict[str, Any], options: dict[str, Any]) -> QuantizationConfig:
+        """Build from a checkpoint's own ``quantization_config`` (config.json) and the user's ``options``; the
+        default merges the options over the checkpoint's settings and calls :meth:`from_options`.
+
+        Raises:
+            ValueError: as :meth:`from_options`, or an option the checkpoint's format does not allow.
+        """
+        return cls.from_options({**checkpoint, **options})
+
     def verify(self, dtype: torch.dtype, device: str) -> None:  # noqa: B027 - optional hook
         """Refuse a model dtype or device the method cannot run in (``ValueError`` naming the field)."""
 
