@@ -89,6 +89,19 @@ def test_upcast_is_exact_for_every_e4m3_value(dtype: torch.dtype) -> None:
     assert torch.equal(got.float()[finite].view(torch.int32), every.float()[finite].view(torch.int32))  # sign of 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_upcast_linear_equals_one_upcast(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU a large weight is upcast and multiplied in tiles of whole rows (here 5 rows, 7 tiles, the last
+    short); the product is the one of the whole upcast weight."""
+    g = torch.Generator().manual_seed(2)
+    q, _ = quantize_fp8(torch.randn(33, 64, generator=g))
+    x = torch.randn(3, 2, 64, generator=g).to(dtype)
+    monkeypatch.setattr(fp8, "UPCAST_TILE", 5 * 64)
+    y = fp8.upcast_linear(x, q)
+    assert y.shape == (3, 2, 33) and y.dtype == dtype
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, q.to(dtype)), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("options", "describe"), [
     (None, "fp8 per-channel dynamic (upcast)"),
     ({"weight_strategy": "tensor"}, "fp8 per-tensor dynamic (upcast)"),

@@ -54,6 +54,8 @@ FP8_MAX = 448.0
 ACTIVATION_SCHEMES = ("dynamic", "static")
 WEIGHT_STRATEGIES = ("channel", "tensor")
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+UPCAST_TILE = 1 << 19
+"""Weights per upcast tile on CPU (1 MiB in bfloat16): see :func:`upcast_linear`."""
 # Upcast by bit placement (exact): the e4m3 exponent and mantissa bits go below the target's sign bit, whose
 # exponent bias (127 for bfloat16/float32, 15 for float16) is then corrected by one multiplication by
 # 2**(bias - 7). Subnormal e4m3 values land on subnormals of the target and scale exactly as well.
@@ -93,6 +95,20 @@ def fp8_e4m3_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bits = q.view(torch.int8).to(int_dtype)  # sign-extended: the sign lands on the top bit after the shift
     bits = bits.bitwise_left_shift_(shift).bitwise_and_(keep)
     return bits.view(dtype).mul_(multiplier)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, fp8_e4m3_to(weight, x.dtype))`` for ``x [..., K]`` and float8_e4m3fn ``weight [N, K]``.
+
+    On CPU, a weight of more than :data:`UPCAST_TILE` values is upcast and multiplied in tiles of whole rows,
+    so each upcast tile is still in cache when the matmul reads it (measured: the 49152x576 lm_head of
+    SmolLM2 at M = 1 takes about half the time of one whole upcast).
+    """
+    n, k = weight.shape
+    rows = max(1, UPCAST_TILE // k)
+    if weight.device.type != "cpu" or n <= rows:
+        return F.linear(x, fp8_e4m3_to(weight, x.dtype))
+    return torch.cat([F.linear(x, fp8_e4m3_to(weight[i:i + rows], x.dtype)) for i in range(0, n, rows)], dim=-1)
 
 
 def _scaled_mm_device(device: torch.device) -> bool:
@@ -233,8 +249,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.mode is None:
             raise RuntimeError(f"{layer.prefix}: weights are not processed after loading")
         if self.mode == "upcast":
-            y = F.linear(x, fp8_e4m3_to(layer.weight, x.dtype))
-            y = (y.float() * layer.weight_scale.view(-1)).to(x.dtype)
+            y = (upcast_linear(x, layer.weight).float() * layer.weight_scale.view(-1)).to(x.dtype)
         else:
             y = self._scaled_mm(layer, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         return y if layer.bias is None else y + layer.bias
