@@ -74,7 +74,8 @@ def int8_activation_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
 
 TOL = {torch.float32: None, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -9}
 
-SHAPES = [  # (bits, N, K, G): every group size, K not a multiple of 64, N not a multiple of 16, per-channel
+SHAPES = [  # (bits, N, K, G): every group size, K not a multiple of 64, N not a multiple of 16, per-channel (8 bits:
+    # without zeros)
     (4, 40, 48, 16), (4, 33, 160, 32), (4, 24, 192, 64), (4, 20, 384, 128), (4, 17, 37, 37),
     (8, 40, 48, 16), (8, 33, 160, 32), (8, 24, 192, 64), (8, 20, 384, 128), (8, 19, 75, 75), (8, 16, 576, 576),
 ]
@@ -94,7 +95,7 @@ def run_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group: int, half_scales: bool,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     run_backend(backend, monkeypatch)
-    q, scale, zero = make_weight(bits, n, k, group, half_scales=half_scales)
+    q, scale, zero = make_weight(bits, n, k, group, zero=not (bits == 8 and group == k), half_scales=half_scales)
     w = pack_weight(q, scale, zero, bits)
     assert (w.bits, w.group_size, w.out_features, w.in_features) == (bits, group, n, k)
     # float16 storage only where exact
@@ -123,7 +124,7 @@ def test_pack_without_zero_and_q4_1_mapping() -> None:
 def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
                                                     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     run_backend(backend, monkeypatch)
-    q, scale, zero = make_weight(bits, n, k, group, seed=m)
+    q, scale, zero = make_weight(bits, n, k, group, seed=m, zero=not (bits == 8 and group == k))  # no zero plane
     w = pack_weight(q, scale, zero, bits)
     g = torch.Generator().manual_seed(100 + m)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -194,8 +195,9 @@ def test_quant_weight_reports_bytes() -> None:
     # 48 padded rows x 64 columns / 2 bytes, plus 48 rows x 2 groups x (scale, zero) in float16
     assert w.nbytes == 48 * 32 + 48 * 2 * 2 * 2
     q8, scale8, _ = make_weight(8, 16, 40, 40)
-    # per-channel: 40 columns padded to 64, one byte each; float32 scale and zero per row
-    assert pack_weight(q8, scale8, None, 8).nbytes == 16 * 64 + 16 * 2 * 4
+    # per-channel: 40 columns padded to 64, one byte each; a float32 scale per row and no zero plane
+    assert pack_weight(q8, scale8, None, 8).nbytes == 16 * 64 + 16 * 4
+    assert pack_weight(q8, scale8, torch.zeros_like(scale8), 8).scales.shape == (1, 1, 1, 16)
 
 
 def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,8 @@
 //                                           + zero[n, g] * (sum_{k in g} x[m, k])
 // over the packed layout of kilat/model_executor/layers/quantization/kernels.py: rows in blocks of 16, chunks of
 // 16 rows x 4 columns (4 bits: 32 bytes, byte b = row b/4 in its low nibble and row 8 + b/4 in its high nibble,
-// column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4), scales [Np/16, groups, 2, 16] in
-// float16 or float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
+// column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4), scales [Np/16, groups, 2, 16] (scale, zero)
+// or [Np/16, groups, 1, 16] (zero 0) in float16 or float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
 //
 // bfloat16/float16 x (AVX-512 VNNI, llama.cpp's method): x is quantized to int8 per block of 32 (16 for group
 // size 16) columns, xq = round(x / d) with d = max|x| / 127, and `vpdpbusd` sums q * xq exactly in int32; each
@@ -45,6 +45,7 @@ inline float half_or_float(float f) { return f; }
 
 struct Layout {
   int64_t bits, chunk_bytes, chunks, groups, span, block, n, k, blocks;
+  int64_t planes;  // 2: scale and zero per group; 1: scale only (zero 0)
 };
 
 Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group_size, int64_t n,
@@ -56,10 +57,12 @@ Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bi
   TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.size(2) == l.chunk_bytes &&
                   qweight.is_contiguous(), "qweight must be contiguous uint8 [Np/16, Kp/4, 32 or 64]");
   TORCH_CHECK((scales.dtype() == at::kHalf || scales.dtype() == at::kFloat) && scales.dim() == 4 &&
-                  scales.size(0) == qweight.size(0) && scales.size(2) == 2 && scales.size(3) == kRows &&
-                  scales.is_contiguous(), "scales must be contiguous float16/float32 [Np/16, groups, 2, 16]");
+                  scales.size(0) == qweight.size(0) && (scales.size(2) == 1 || scales.size(2) == 2) &&
+                  scales.size(3) == kRows && scales.is_contiguous(),
+              "scales must be contiguous float16/float32 [Np/16, groups, 1 or 2, 16]");
   l.chunks = qweight.size(1);
   l.groups = scales.size(1);
+  l.planes = scales.size(2);
   l.span = l.groups == 1 ? l.chunks * kCols : group_size;
   l.block = l.span % 32 == 0 ? 32 : 16;
   l.n = n;
@@ -81,7 +84,8 @@ inline int q_at(const uint8_t* bq, const Layout& l, int r, int64_t c) {
 
 template <typename S>
 inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int which, int r) {
-  return half_or_float(sz[((blk * l.groups + g) * 2 + which) * kRows + r]);
+  if (which >= l.planes) return 0.f;
+  return half_or_float(sz[((blk * l.groups + g) * l.planes + which) * kRows + r]);
 }
 
 // Activations prepared once per call. xf: float32 [M, Kp] (zero padded); xsum: [M, groups] sums of xf per group;
@@ -152,14 +156,19 @@ void gemm_block_ref(const Activations& a, const uint8_t* qw, const S* sz, const 
 #ifdef KILAT_AVX512
 // ------------------------------------------------------------------------------------------------ AVX-512 path
 template <typename S>
-inline void load_scales(const S* s, __m512& sv, __m512& zv) {
-  if constexpr (sizeof(S) == 2) {
-    sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    zv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kRows)));
-  } else {
-    sv = _mm512_loadu_ps(reinterpret_cast<const float*>(s));
-    zv = _mm512_loadu_ps(reinterpret_cast<const float*>(s) + kRows);
-  }
+inline __m512 load16(const S* s) {
+  if constexpr (sizeof(S) == 2)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  else
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(s));
+}
+
+// Scale and zero vectors of group g of row block blk.
+template <typename S>
+inline void load_scales(const S* sz, const Layout& l, int64_t blk, int64_t g, __m512& sv, __m512& zv) {
+  const S* s = sz + (blk * l.groups + g) * l.planes * kRows;
+  sv = load16(s);
+  zv = l.planes == 2 ? load16(s + kRows) : _mm512_setzero_ps();
 }
 
 // One chunk as 16 lanes (rows) of 4 bytes (columns): q for 4 bits, q + 128 for 8 bits.
@@ -185,7 +194,7 @@ void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const 
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
     __m512 sv, zv;
-    load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
+    load_scales(sz, l, blk, g, sv, zv);
     for (int64_t bg = 0; bg < blocks_per_group; ++bg, ++b) {
       __m512i dot[MT];
       for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
@@ -201,8 +210,9 @@ void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const 
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(sv, _mm512_set1_ps(a.xd[mb])), acc[i]);
       }
     }
-    for (int i = 0; i < MT; ++i)
-      acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
+    if (l.planes == 2)
+      for (int i = 0; i < MT; ++i)
+        acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
   }
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * kRows, acc[i]);
 }
@@ -217,7 +227,7 @@ void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const 
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < l.groups; ++g) {
     __m512 sv, zv;
-    load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
+    load_scales(sz, l, blk, g, sv, zv);
     __m512 dot[MT];
     for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
@@ -332,7 +342,7 @@ void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
         const int64_t g = c0 / l.span;
 #ifdef KILAT_AVX512
         __m512 sv, zv;
-        load_scales(sz + (blk * l.groups + g) * 2 * kRows, sv, zv);
+        load_scales(sz, l, blk, g, sv, zv);
         for (int64_t ch = 0; ch < 4; ++ch) {
           const uint8_t* wp = bq + (c0 / kCols + ch) * l.chunk_bytes;
           __m512i w = l.bits == 4 ? load_chunk<4>(wp) : _mm512_xor_si512(load_chunk<8>(wp), _mm512_set1_epi8(static_cast<char>(0x80)));

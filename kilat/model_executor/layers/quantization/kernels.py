@@ -14,9 +14,9 @@ to a multiple of 32, the one group then spanning ``Kp``):
   low nibble is ``q[16 r + b // 4, 4 c + b % 4]``, its high nibble ``q[16 r + 8 + b // 4, 4 c + b % 4]``. A chunk
   thus loads (4 bits: and one shift) as 16 32-bit lanes, one output row each with 4 consecutive columns: the
   operand of AVX-512 VNNI ``vpdpbusd``, with no horizontal sums.
-- ``scales`` float16 or float32 ``[Np / 16, n_groups, 2, 16]``: ``[..., 0, i]`` the scale and ``[..., 1, i]`` the
-  zero of row ``16 r + i``; float16 only where every value is exactly a float16 (checked at pack time), so the
-  float32 path matches dequantize-then-matmul.
+- ``scales`` float16 or float32 ``[Np / 16, n_groups, P, 16]``: ``[..., 0, i]`` the scale and ``[..., 1, i]`` the
+  zero of row ``16 r + i`` (``P`` = 2; ``P`` = 1, no zero plane, when every zero is 0); float16 only where every
+  value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
 
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use, see :mod:`.native`) computes
 ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``. For bfloat16/float16 ``x`` it is llama.cpp's method: ``x``
@@ -56,7 +56,7 @@ class QuantWeight:
         group_size: ``G``, divides ``in_features``; ``G == in_features`` is per-channel.
         out_features, in_features: ``N`` and ``K``.
         qweight: uint8 ``[Np / 16, Kp / 4, 32 (4 bits) or 64 (8 bits)]`` (layout in the module docstring).
-        scales: float16 or float32 ``[Np / 16, n_groups, 2, 16]`` (scale, zero per row and group).
+        scales: float16 or float32 ``[Np / 16, n_groups, 2 or 1, 16]`` (scale, and zero unless all are 0).
     """
 
     bits: int
@@ -124,8 +124,8 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     if zero is not None and zero.shape != scale.shape:
         raise ValueError(f"zero must have the shape of scale {tuple(scale.shape)}, got {tuple(zero.shape)}")
     scale = scale.to(torch.float32)
-    zero = torch.zeros_like(scale) if zero is None else zero.to(torch.float32)
-    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+    zero = None if zero is None or not zero.any() else zero.to(torch.float32)
+    if not (torch.isfinite(scale).all() and (zero is None or torch.isfinite(zero).all())):
         raise ValueError("scale and zero must be finite")
 
     np_, kp = _round_up(n, ROWS), (_round_up(k, 32) if group == k else k)
@@ -140,10 +140,12 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     qweight = qweight.reshape(np_ // ROWS, kp // COLS, 32 if bits == 4 else 64).contiguous()
 
     groups = scale.shape[1]
-    sz = torch.zeros(np_, groups, 2, dtype=torch.float32, device=q.device)
+    planes = 1 if zero is None else 2
+    sz = torch.zeros(np_, groups, planes, dtype=torch.float32, device=q.device)
     sz[:n, :, 0] = scale
-    sz[:n, :, 1] = zero
-    scales = sz.view(np_ // ROWS, ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
+    if zero is not None:
+        sz[:n, :, 1] = zero
+    scales = sz.view(np_ // ROWS, ROWS, groups, planes).permute(0, 2, 3, 1).contiguous()
     return QuantWeight(bits=bits, group_size=group, out_features=n, in_features=k, qweight=qweight,
                        scales=_narrow_scales(scales))
 
@@ -166,6 +168,8 @@ def _dequantize_blocks(w: QuantWeight, blocks: torch.Tensor) -> torch.Tensor:
     sz = w.scales[blocks].to(torch.float32)  # [B, groups, 2, 16]
     span = q.shape[-1] if w.n_groups == 1 else w.group_size  # the one group of a per-channel weight spans Kp
     scale = sz[:, :, 0, :].transpose(1, 2).repeat_interleave(span, dim=-1)
+    if sz.shape[2] == 1:
+        return (q * scale)[..., :w.in_features]
     zero = sz[:, :, 1, :].transpose(1, 2).repeat_interleave(span, dim=-1)
     return (q * scale + zero)[..., :w.in_features]
 
