@@ -15,6 +15,7 @@
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
+// embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
 // has_avx512() -> whether the vector path was compiled in.
 
 #include <ATen/ATen.h>
@@ -391,6 +392,41 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64
   return out;
 }
 
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& qweight, const at::Tensor& scales, int64_t bits,
+                     int64_t group_size, int64_t n, int64_t k, at::ScalarType dtype) {
+  Layout l = layout_of(qweight, scales, bits, group_size, n, k);
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids must be int64");
+  const at::Tensor flat = ids.contiguous().view({-1});
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < flat.numel(); ++t) TORCH_CHECK(id[t] >= 0 && id[t] < n, "ids must be in [0, N)");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, qweight.options().dtype(dtype));
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "embedding", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    auto rows = [&](auto* sz) {
+      at::parallel_for(0, flat.numel(), 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t blk = id[t] / kRows;
+          const int r = static_cast<int>(id[t] % kRows);
+          const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
+          for (int64_t c = 0; c < l.k; ++c) {
+            const int64_t g = c / l.span;  // q * s + z rounded twice, as torch computes it
+            o[t * l.k + c] = static_cast<scalar_t>(static_cast<float>(q_at(bq, l, r, c)) * scale_at(sz, l, blk, g, 0, r) +
+                                                   scale_at(sz, l, blk, g, 1, r));
+          }
+        }
+      });
+    };
+    if (scales.scalar_type() == at::kHalf)
+      rows(scales.data_ptr<c10::Half>());
+    else
+      rows(scales.data_ptr<float>());
+  });
+  return out;
+}
+
 bool has_avx512() {
 #ifdef KILAT_AVX512
   return true;
@@ -406,5 +442,7 @@ TORCH_LIBRARY(kilat_quant, m) {
         gemm);
   m.def("dequantize(Tensor qweight, Tensor scales, int bits, int group_size, int n, int k, ScalarType dtype) -> Tensor",
         dequantize);
+  m.def("embedding(Tensor ids, Tensor qweight, Tensor scales, int bits, int group_size, int n, int k, ScalarType dtype) "
+        "-> Tensor", embedding);
   m.def("has_avx512() -> bool", has_avx512);
 }

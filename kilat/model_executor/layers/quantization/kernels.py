@@ -239,6 +239,10 @@ def embedding(ids: torch.Tensor, w: QuantWeight, dtype: torch.dtype) -> torch.Te
     flat = ids.reshape(-1).to(torch.long)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
         raise ValueError(f"ids must be in [0, {w.out_features}), got {int(flat.min())}..{int(flat.max())}")
+    ops = _native_for(w.qweight)
+    if ops is not None and dtype in _NATIVE_DTYPES:
+        return ops.embedding(ids.to(torch.long), w.qweight, w.scales, w.bits, w.group_size, w.out_features,
+                             w.in_features, dtype)
     rows = _dequantize_blocks(w, flat // ROWS)  # [T, 16, K]
     picked = rows[torch.arange(flat.numel(), device=flat.device), flat % ROWS]
     return picked.to(dtype).reshape(*ids.shape, w.in_features)
