@@ -571,6 +571,7 @@ def section_quantization(args: argparse.Namespace) -> dict[str, Any]:
         if missing:
             variants[name] = {"engine_args": engine_kwargs, "error": f"this kilat's CacheConfig has no {missing}"}
             continue
+        in_use = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
         try:
             variant = quant_variant(args, engine_kwargs, out_len)
         except Exception as e:  # one variant's failure (an OOM, a missing kernel) is its result
@@ -578,7 +579,7 @@ def section_quantization(args: argparse.Namespace) -> dict[str, Any]:
         else:
             moved = variant["bytes_per_decode_step"] * variant["decode_tokens_per_s"]
             variant.update({"mbu_given_bandwidth": moved / given, "mbu_measured_bandwidth": moved / measured})
-        variants[name] = variant
+        variants[name] = {**variant, "device_gib_in_use_before": in_use}  # what an earlier engine left behind
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
