@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -157,6 +158,8 @@ def write_tiny_gguf(path: Path, arch: str, tied: bool = False, small: bool = Fal
     if not tied:
         _add(writer, "output.weight", T.Q6_K, VOCAB, HIDDEN, rng, small)
     writer.add_tensor("output_norm.weight", rng.standard_normal(HIDDEN).astype(np.float32))
+    if arch == "llama":  # llama 3's rope scaling factors: no HF parameter, skipped as transformers skips it
+        writer.add_tensor("rope_freqs.weight", np.ones(HEAD_DIM // 2, dtype=np.float32))
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
               "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
@@ -190,7 +193,8 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_matches_transformers_conversion(tmp_path: Path, arch: str) -> None:
+def test_tiny_gguf_matches_transformers_conversion(tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+                                                  ) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch)
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
@@ -201,9 +205,11 @@ def test_tiny_gguf_matches_transformers_conversion(tmp_path: Path, arch: str) ->
     # the one-pass name map is transformers' map
     assert gguf_to_hf_names(arch, config) == get_gguf_hf_weights_map(meta_model, TensorProcessor(), model_type=arch)
 
-    ours = dict(iterate_gguf_tensors(str(path), config))
+    with caplog.at_level(logging.INFO, logger="kilat"):
+        ours = dict(iterate_gguf_tensors(str(path), config))
     assert ours.keys() == reference.keys()
     assert len(ours) == 3 + LAYERS * (9 + {"llama": 0, "qwen2": 3, "qwen3": 2}[arch])
+    assert ("skipped GGUF tensors with no HF name: ['rope_freqs.weight']" in caplog.text) == (arch == "llama")
     mapped = file_mappings(path)
     for name, tensor in ours.items():
         qtype = _written_type(name)
@@ -237,6 +243,14 @@ def _written_type(hf_name: str) -> T:
     if len(parts) == 6 and parts[4] in _KINDS and parts[5] == "weight":
         return TYPES[int(parts[2]), _KINDS[parts[4]]]
     return special.get(hf_name, T.F32)
+
+
+def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    config = AutoConfig.for_model("gemma")
+    with pytest.raises(ValueError, match="GGUF model type 'gemma' is not one of"):
+        next(iterate_gguf_tensors(str(path), config))
 
 
 def test_permutation_reorders_whole_rows(tmp_path: Path) -> None:
