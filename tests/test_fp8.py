@@ -247,6 +247,48 @@ def test_torch_without_float8_is_refused(checkpoint: Path, monkeypatch: pytest.M
         EngineArgs(model=str(checkpoint), quantization="fp8").create_engine_config()
 
 
+def _cpu_scaled_mm() -> bool:
+    try:
+        one = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_w8a8_path_through_cpu_scaled_mm(mode: str, dtype: torch.dtype, static: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W8A8 code path (activation quantization, operand layouts, scale shapes, the mode probe) run through
+    torch's CPU ``_scaled_mm`` in place of CUDA's: per-token or static fp8 activations times the fp8 weight
+    equal the float32 product of the same fp8 values, scaled."""
+    monkeypatch.setattr(fp8, "_scaled_mm_device", lambda device: True)
+    monkeypatch.setattr(fp8, "_SCALED_MM_MODES", {} if mode == "rowwise" else {"cpu": "tensorwise"})
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(64, 48, bias=True, dtype=dtype, quant_config=Fp8Config(), prefix="x")
+    method = layer.quant_method
+    method.static = static
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+        layer.bias.copy_(torch.randn(48, generator=g))
+    if static:
+        layer.input_scale = torch.nn.Parameter(torch.tensor([0.02]), requires_grad=False)
+    layer.process_weights_after_loading()
+    assert method.mode == mode and method.describe().endswith("(W8A8 _scaled_mm)")
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    y = layer(x)
+    xf = x.float()
+    x_scale = torch.full((5, 1), 0.02) if static else xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    xq = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    reference = (xq @ layer.weight.float().T) * x_scale * layer.weight_scale.view(1, -1) + layer.bias.float()
+    assert y.dtype == dtype and y.shape == (5, 48)
+    tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(y.float(), reference, **tolerance)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="W8A8 fp8 matmuls need a CUDA device of compute capability 8.9+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
