@@ -293,8 +293,9 @@ def test_embedded_smollm2_tensors_match_the_float32_conversion() -> None:
 # --- --quantization gguf ----------------------------------------------------------------------------------
 
 
-def _native_and_dense(path: Path) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
-    """The file loaded natively (``GGUFConfig``) and through transformers' float32 dequantization, float32."""
+def _native_and_dense(path: Path) -> tuple[LlamaForCausalLM, LlamaForCausalLM, set[str]]:
+    """The file loaded natively (``GGUFConfig``) and through transformers' float32 dequantization, float32, and
+    the native linears whose ``weight`` got storage while loading (the others stayed on the meta device)."""
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
@@ -303,9 +304,10 @@ def _native_and_dense(path: Path) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     dense.load_weights(reference.items())
     native = LlamaForCausalLM(config, torch.float32, GGUFConfig())
     native.load_weights(gguf_weights(iterate_gguf_tensors(str(path), config)))
+    stored = {name for name, m in native.named_modules() if isinstance(m, Linear) and not m.weight.is_meta}
     for model in (dense, native):
         process_weights_after_loading(model)
-    return native, dense
+    return native, dense, stored
 
 
 def _parts(layer: torch.nn.Module) -> list[str]:
@@ -318,7 +320,11 @@ def _parts(layer: torch.nn.Module) -> list[str]:
 def test_gguf_method_matches_dequantize_then_matmul(tmp_path: Path, tied: bool) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", tied=tied, small=True)
-    native, dense = _native_and_dense(path)
+    native, dense, stored = _native_and_dense(path)
+    # dense storage only where a shard is dense (F16 v, BF16 o, F32 gate, Q5_0 o), and the tied embedding's
+    dense_layers = {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
+                    "model.layers.1.mlp.gate_up_proj", "model.layers.2.self_attn.o_proj"}
+    assert stored == (dense_layers | {"lm_head"} if tied else dense_layers)
     layers = native.model.layers
     assert _parts(layers[0].self_attn.qkv_proj) == ["4/32", "8/16", "8/32"]  # Q4_K, Q6_K, Q5_K: one per shard
     assert _parts(layers[0].mlp.gate_up_proj) == ["4/32", "8/32"]  # Q4_1, Q8_0

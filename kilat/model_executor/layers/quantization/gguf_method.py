@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kilat.model_executor.layers.quantization import kernels
 from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
@@ -59,10 +60,10 @@ def gguf_weights(weights: Iterable[tuple[str, GGUFTensor | torch.Tensor]], devic
 class GGUFLinearMethod(LinearMethod):
     """A linear layer whose weight comes from a GGUF file in its block format.
 
-    Loading keeps the dense ``weight`` placeholder of the default :meth:`create_weights` (never written for
-    quantized shards, so its pages are never touched on CPU) for F32/F16/BF16 shards and non-affine types, and
-    collects the quantized shards; :meth:`process_weights_after_loading` packs them and drops the placeholder.
-    A layer with no quantized shard runs as :class:`UnquantizedLinearMethod`.
+    :meth:`create_weights` registers ``weight`` on the meta device (its shape, no memory); a dense shard (F32,
+    F16, BF16, or a type without an affine form) gives it real storage on the layer's device when it arrives.
+    Quantized shards are collected as they are; :meth:`process_weights_after_loading` packs them and drops
+    ``weight``. A layer with no quantized shard runs as :class:`UnquantizedLinearMethod`.
 
     Attributes:
         parts: the weight after processing, in shard order (one entry when the shards merge).
@@ -72,31 +73,43 @@ class GGUFLinearMethod(LinearMethod):
         self._loaded: dict[int, GGUFTensor | kernels.QuantWeight] = {}
         self.parts: list[Part] | None = None
         self._dense: UnquantizedLinearMethod | None = None
+        self._device = torch.device("cpu")
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype | None) -> None:
+        """A meta-device ``weight [out, in]`` placeholder; the layer's device (the default one now) is kept."""
+        self._device = torch.get_default_device()
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype, device="meta"),
+                                    requires_grad=False)
 
     def load_weight(self, layer: Linear, name: str, tensor: Any, shard: int | None) -> None:
         """Take ``weight`` (or shard ``shard`` of a fused layer) as a :class:`GGUFTensor`, a ``QuantWeight``
-        (a tied embedding's) or a dense tensor; ``bias`` and dense tensors load as in the base class.
+        (a tied embedding's) or a dense tensor; ``bias`` loads as in the base class.
 
         Raises:
             ValueError: a shape that does not fit the layer (shard), or another name than weight/bias.
         """
-        if name != "weight" or isinstance(tensor, torch.Tensor):
+        if name != "weight":
             super().load_weight(layer, name, tensor, shard)
             return
         index = shard or 0
-        rows = layer.output_sizes[index]
-        shape = tensor.shape if isinstance(tensor, GGUFTensor) else (tensor.out_features, tensor.in_features)
-        if tuple(shape) != (rows, layer.input_size):
-            where = f"shard {shard} of weight" if shard is not None else "weight"
-            raise ValueError(f"{layer.prefix} {where}: expected shape {(rows, layer.input_size)}, got {tuple(shape)}")
-        if isinstance(tensor, GGUFTensor) and tensor.qtype not in AFFINE_TYPES:
-            super().load_weight(layer, name, dequantize(tensor), shard)
-            self._loaded.pop(index, None)
-            return
-        self._loaded[index] = tensor
+        if isinstance(tensor, GGUFTensor | kernels.QuantWeight):
+            rows = layer.output_sizes[index]
+            shape = tensor.shape if isinstance(tensor, GGUFTensor) else (tensor.out_features, tensor.in_features)
+            if tuple(shape) != (rows, layer.input_size):
+                where = f"shard {shard} of weight" if shard is not None else "weight"
+                raise ValueError(f"{layer.prefix} {where}: expected shape {(rows, layer.input_size)}, "
+                                 f"got {tuple(shape)}")
+            if isinstance(tensor, kernels.QuantWeight) or tensor.qtype in AFFINE_TYPES:
+                self._loaded[index] = tensor
+                return
+            tensor = dequantize(tensor)
+        if layer.weight.is_meta:
+            layer.weight = nn.Parameter(torch.empty_like(layer.weight, device=self._device), requires_grad=False)
+        super().load_weight(layer, name, tensor, shard)
+        self._loaded.pop(index, None)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Pack the quantized shards (dense ones are sliced from the placeholder) and drop the placeholder."""
+        """Pack the quantized shards (dense shards are sliced from ``weight``) and drop ``weight``."""
         if self.parts is not None or self._dense is not None:
             return
         if not self._loaded:
@@ -112,7 +125,7 @@ class GGUFLinearMethod(LinearMethod):
             else:
                 parts.append(item)
             start += rows
-        self.parts = _pack(parts, layer.weight.device)
+        self.parts = _pack(parts, self._device)
         self._loaded.clear()
         del layer.weight
 
