@@ -22,12 +22,8 @@ from kilat.model_executor.models.registry import ARCH_BY_MODEL_TYPE
 
 logger = logging.getLogger("kilat")
 
-FLOAT_TYPES = {
-    GGMLQuantizationType.F32: torch.float32,
-    GGMLQuantizationType.F16: torch.float16,
-    GGMLQuantizationType.BF16: torch.bfloat16,
-}
-"""ggml types that come out as ordinary tensors (in their own dtype)."""
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+"""ggml types that come out as ordinary tensors (float32, float16, bfloat16)."""
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
