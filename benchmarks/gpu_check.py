@@ -518,17 +518,11 @@ QUANT_OUTPUT_LEN = 64
 short because a variant without a fast kernel on the device (int4 dequantizes per call there) is slow."""
 
 
-def kv_bytes_per_token(runner: Any) -> float:
-    """Bytes one token's K and V take in ``runner``'s cache over all layers, quantization scales included."""
-    tensors = list(runner.kv_caches) + list(getattr(runner, "kv_scales", None) or [])
-    return sum(t.numel() * t.element_size() for t in tensors) / (runner.num_blocks * runner.block_size)
-
-
 def quant_variant(args: argparse.Namespace, engine_kwargs: dict[str, Any], out_len: int) -> dict[str, Any]:
     """One engine of :data:`QUANT_VARIANTS`: W2 decode tokens/s at batch 1, its KV blocks, the bytes a decode
     step reads (weights as held, KV at the mean context), and what each linear layer runs."""
     from kilat import LLM
-    from kilat.bench.mbu import decode_bytes_per_step, weight_bytes
+    from kilat.bench.mbu import decode_bytes_per_step, kv_bytes_per_token, weight_bytes
 
     started = time.perf_counter()
     with LLM(model_name(args, "llama-3-8b"), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,

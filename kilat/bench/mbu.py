@@ -30,17 +30,29 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str | 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: every parameter once, plus what a linear layer's
     quantization method holds itself (e.g. packed int4/int8 weights, its ``nbytes``), less the embedding table
-    unless it is also the output projection (a step reads only its rows)."""
+    unless it is also the output projection (a step reads only its rows; a quantized table held by the
+    embedding itself is not counted, and a tied ``lm_head`` that shares it counts it once)."""
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
+    held = {}
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        held = vars(method).values() if method is not None else ()
-        total += sum(v.nbytes for v in held if isinstance(getattr(v, "nbytes", None), int))
-    embed = model.model.embed_tokens.weight
-    if getattr(model.lm_head, "weight", None) is not embed:
+        for value in vars(method).values() if method is not None else ():
+            for item in value if isinstance(value, list) else [value]:  # a list: the parts of a GGUF layer
+                if isinstance(getattr(item, "nbytes", None), int):
+                    held[id(item)] = item.nbytes
+    total += sum(held.values())
+    embed = getattr(model.model.embed_tokens, "weight", None)
+    if embed is not None and getattr(model.lm_head, "weight", None) is not embed:
         total -= embed.numel() * embed.element_size()
     return total
+
+
+def kv_bytes_per_token(runner: Any) -> float:
+    """Bytes one token's K and V take in a ``ModelRunner``'s cache over all layers, quantization scales
+    included (its ``kv_caches`` and ``kv_scales`` divided by the cache's token slots)."""
+    tensors = list(runner.kv_caches) + list(getattr(runner, "kv_scales", None) or [])
+    return sum(t.numel() * t.element_size() for t in tensors) / (runner.num_blocks * runner.block_size)
 
 
 def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: float, dtype: torch.dtype,

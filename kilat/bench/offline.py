@@ -19,7 +19,7 @@ import numpy as np
 
 from kilat.bench.cli import parse_range
 from kilat.bench.datasets import random_requests
-from kilat.bench.mbu import decode_bytes_per_step, measure_bandwidth
+from kilat.bench.mbu import decode_bytes_per_step, kv_bytes_per_token, measure_bandwidth
 from kilat.entrypoints.cli import add_engine_args, engine_args_from
 from kilat.sampling_params import SamplingParams
 
@@ -108,7 +108,7 @@ def cmd_latency(ns: argparse.Namespace) -> None:
     best = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
     runner = engine.core.runner
     step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, ns.input_len + ns.output_len / 2,
-                                       runner.dtype)
+                                       runner.dtype, kv_bytes_per_token(runner))
     bandwidth = ns.memory_bandwidth_gbps * 1e9 if ns.memory_bandwidth_gbps else measure_bandwidth(
         device=runner.device)
     _write({"workload": "W2", "input_len": ns.input_len, "output_len": ns.output_len, **best,
