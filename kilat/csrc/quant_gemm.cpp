@@ -90,7 +90,7 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
 }
 
 // Activations prepared once per call. xf: float32 [M, Kp] (zero padded); xsum: [M, groups] sums of xf per group;
-// for the int8 path xq: [Kp/4][M] dwords of 4 int8, xd: [M, Kp/block] the block scales d, xc: [M, Kp/block]
+// for the int8 path xq: [M][Kp/4] dwords of 4 int8, xd: [M, Kp/block] the block scales d, xc: [M, Kp/block]
 // 128 * sum(xq) per block (the 8-bit weights are stored as q + 128).
 struct Activations {
   int64_t m, kp;
@@ -127,7 +127,7 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool quantize) {
       for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) {
         const int v = static_cast<int>(std::clamp(std::nearbyint(xm[c] * inv), -127.f, 127.f));
         sum += v;
-        reinterpret_cast<int8_t*>(&a.xq[(c / kCols) * a.m + m])[c % kCols] = static_cast<int8_t>(v);
+        reinterpret_cast<int8_t*>(&a.xq[m * (a.kp / kCols) + c / kCols])[c % kCols] = static_cast<int8_t>(v);
       }
       a.xd[m * nb + b] = d;
       a.xc[m * nb + b] = 128 * sum;
@@ -190,6 +190,7 @@ void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const 
                      float* y) {
   const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t chunks_per_block = l.block / kCols, blocks_per_group = l.span / l.block, nb = a.kp / l.block;
+  const int64_t nchunks = a.kp / kCols;
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   int64_t b = 0;
@@ -199,11 +200,11 @@ void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const 
     for (int64_t bg = 0; bg < blocks_per_group; ++bg, ++b) {
       __m512i dot[MT];
       for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
-      const int32_t* xp = a.xq.data() + b * chunks_per_block * a.m + m0;
-      for (int64_t c = 0; c < chunks_per_block; ++c, wp += l.chunk_bytes, xp += a.m) {
+      const int32_t* xp = a.xq.data() + m0 * nchunks + b * chunks_per_block;
+      for (int64_t c = 0; c < chunks_per_block; ++c, wp += l.chunk_bytes, ++xp) {
         _mm_prefetch(reinterpret_cast<const char*>(wp) + 16 * l.chunk_bytes, _MM_HINT_T0);
         const __m512i w = load_chunk<BITS>(wp);
-        for (int i = 0; i < MT; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xp[i]));
+        for (int i = 0; i < MT; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xp[i * nchunks]));
       }
       for (int i = 0; i < MT; ++i) {
         const int64_t mb = (m0 + i) * nb + b;
