@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
 
+from kilat.bench.mbu import weight_bytes
 from kilat.config import ModelConfig
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.model_executor.layers import Linear, process_weights_after_loading
@@ -371,6 +372,8 @@ def test_embedded_smollm2_runs_natively() -> None:
     reference, _, _ = get_model(ModelConfig(dtype="float32"), "cpu")
     assert _parts(native.model.layers[0].self_attn.qkv_proj) == ["4/32"]
     assert native.lm_head.quant_method.parts[0] is native.model.embed_tokens.qweight
+    # a decode step reads about the file's bytes (its tokenizer metadata aside): the table once, via lm_head
+    assert 0.95 * os.path.getsize(embedded_gguf_path()) < weight_bytes(native) < os.path.getsize(embedded_gguf_path())
     ids = get_tokenizer(None)("The capital of France is").input_ids
     native_logits, reference_logits = _logits(native, ids), _logits(reference, ids)
     torch.testing.assert_close(native_logits, reference_logits, rtol=1e-4, atol=1e-4)
