@@ -102,6 +102,9 @@ def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group
     assert w.scales.dtype == (torch.float16 if half_scales else torch.float32)
     assert torch.equal(dequantize(w), reference_weight(q, scale, zero))
     assert torch.equal(dequantize(w, torch.bfloat16), reference_weight(q, scale, zero).to(torch.bfloat16))
+    got_scale, got_zero = w.scale_zero()
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_zero, zero if zero is not None else torch.zeros_like(scale))
 
 
 def test_pack_without_zero_and_q4_1_mapping() -> None:

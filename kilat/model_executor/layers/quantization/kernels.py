@@ -71,10 +71,11 @@ class QuantWeight:
         """Groups per row, ``K / G``."""
         return self.in_features // self.group_size
 
-    @property
-    def padded_in_features(self) -> int:
-        """``Kp``: ``K`` rounded up to a whole chunk (padding columns hold zero weights)."""
-        return self.qweight.shape[1] * COLS
+    def scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 ``scale`` and ``zero`` ``[N, K // G]`` this weight was packed from (zero 0 when all were)."""
+        sz = self.scales.to(torch.float32).permute(0, 3, 1, 2).reshape(-1, self.n_groups, self.scales.shape[2])
+        sz = sz[:self.out_features]
+        return sz[..., 0], (sz[..., 1] if sz.shape[-1] == 2 else torch.zeros_like(sz[..., 0]))
 
     @property
     def nbytes(self) -> int:
