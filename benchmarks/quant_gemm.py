@@ -101,6 +101,7 @@ def main() -> int:
         parser.error("--clock cpu needs --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if kernels.native_ops() is None:
         print("warning: the C++ kernels are unavailable; kilat_* entries time the torch fallback")
     results: list[dict[str, Any]] = []
@@ -114,7 +115,6 @@ def main() -> int:
                        "weight_bytes": nbytes, "gb_per_s": round(nbytes / us / 1e3, 2)}
                 results.append(row)
                 print(f"{shape:8s} M={m:4d} {name:18s} {us:10.1f} us {row['gb_per_s']:7.2f} GB/s", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"benchmark": "quant_gemm", "torch": torch.__version__, "threads": args.threads, "clock": args.clock,
               "load_average": os.getloadavg(), "cpu": platform.processor() or platform.machine(), "commit": commit,
               "native": kernels.native_ops() is not None, "results": results}
