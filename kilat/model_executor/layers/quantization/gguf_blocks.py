@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
@@ -187,7 +186,7 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
         NotImplementedError: a type gguf-py cannot dequantize either.
     """
     if t.qtype not in _UNPACKERS:
-        return torch.from_numpy(gguf_dequantize(np.asarray(t.data.numpy()), t.qtype)).reshape(t.shape)
+        return torch.from_numpy(gguf_dequantize(t.data.numpy(), t.qtype)).reshape(t.shape)
     q, scale, zero, _ = unpack_blocks(t)
     rows, cols = t.shape
     groups = scale.shape[1]
