@@ -3,11 +3,11 @@
 Every kernel reads the paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` through the
 block table, so a tile of ``BLOCK_N`` keys may span several KV blocks. An int8/fp8 cache (layout in
 :mod:`kilat.model_executor.attention.kv_cache`) is quantized by the write kernel and dequantized tile by
-tile as it is read, with its float32 ``[2, num_blocks, block_size, num_kv_heads]`` scales. Scores and the softmax run in
-float32 with the online-softmax recurrence of FlashAttention (Dao et al., 2022); decode splits the context
-into partitions reduced afterwards (flash-decoding, Dao et al., 2023). Query heads that share a KV head
-(grouped-query attention, Ainslie et al., 2023) are packed into the rows of one tile, so each key tile is
-loaded once per KV head. Launch them through :mod:`kilat.model_executor.attention.triton_backend`.
+tile as it is read, with its float32 ``[2, num_blocks, block_size, num_kv_heads]`` scales. Scores and the
+softmax run in float32 with the online-softmax recurrence of FlashAttention (Dao et al., 2022); decode
+splits the context into partitions reduced afterwards (flash-decoding, Dao et al., 2023). Query heads that
+share a KV head (grouped-query attention, Ainslie et al., 2023) are packed into the rows of one tile, so
+each key tile is loaded once per KV head. Launch them through :mod:`kilat.model_executor.attention.triton_backend`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kilat.model_executor.attention.kv_cache import MIN_SCALE as MIN_KV_SCALE
 NO_WINDOW = 1 << 30
 """The ``window`` argument of a layer without sliding-window attention (longer than any context)."""
 MIN_SCALE = tl.constexpr(MIN_KV_SCALE)
+"""The smallest scale of a quantized cache (:data:`kilat.model_executor.attention.kv_cache.MIN_SCALE`)."""
 
 
 @triton.jit
