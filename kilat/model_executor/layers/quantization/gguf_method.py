@@ -41,8 +41,7 @@ def to_quant_weight(t: GGUFTensor, device: torch.device | str = "cpu") -> kernel
     Raises:
         ValueError: a type without an affine form (see ``gguf_blocks.AFFINE_TYPES``).
     """
-    q, scale, zero, bits = unpack_blocks(t)
-    return kernels.pack_weight(q.to(device), scale.to(device), zero.to(device), bits)
+    return _pack_affine(*unpack_blocks(t), device)
 
 
 def gguf_weights(weights: Iterable[tuple[str, GGUFTensor | torch.Tensor]], device: torch.device | str = "cpu"
@@ -157,13 +156,18 @@ def _matmul(x: torch.Tensor, part: Part, bias: torch.Tensor | None) -> torch.Ten
 def _pack(parts: list[GGUFTensor | kernels.QuantWeight | torch.Tensor], device: torch.device) -> list[Part]:
     """Pack GGUF shards on ``device``: all affine with the same bits and group size -> one ``QuantWeight`` (rows
     stacked); otherwise each shard on its own (a ``QuantWeight`` shared with the embedding is kept as it is)."""
-    blocks = [p for p in parts if isinstance(p, GGUFTensor)]
-    if len(blocks) == len(parts) > 1:
-        unpacked = [unpack_blocks(p) for p in blocks]
-        if len({(bits, q.shape[1] // scale.shape[1]) for q, scale, _, bits in unpacked}) == 1:
-            q, scale, zero = (torch.cat([u[i] for u in unpacked]).to(device) for i in range(3))
-            return [kernels.pack_weight(q, scale, zero, unpacked[0][3])]
-    return [to_quant_weight(p, device) if isinstance(p, GGUFTensor) else p for p in parts]
+    unpacked = [unpack_blocks(p) if isinstance(p, GGUFTensor) else p for p in parts]
+    affine = [u for u in unpacked if isinstance(u, tuple)]
+    if len(affine) == len(parts) > 1 and len({(bits, q.shape[1] // scale.shape[1])
+                                              for q, scale, _, bits in affine}) == 1:
+        q, scale, zero = (torch.cat([u[i] for u in affine]) for i in range(3))
+        return [_pack_affine(q, scale, zero, affine[0][3], device)]
+    return [_pack_affine(*u, device) if isinstance(u, tuple) else u for u in unpacked]
+
+
+def _pack_affine(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, device: torch.device | str
+                 ) -> kernels.QuantWeight:
+    return kernels.pack_weight(q.to(device), scale.to(device), zero.to(device), bits)
 
 
 @dataclass
