@@ -23,9 +23,9 @@ Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use,
 quantized to int8 per block of 32 columns (16 for ``G = 16``) with scale ``d = max|x| / 127``, integer dot
 products with VNNI; the only error beyond float rounding is ``|x - d round(x / d)| <= d / 2`` per element. For
 float32 ``x``, ``q`` is widened to float32 and multiplied with FMAs (float rounding only, matching
-dequantize-then-matmul); from :data:`DENSE_MIN_M` rows of float32 on it dequantizes the weight and runs the dense
-float32 matmul. Without the extension (no compiler, build error, or ``KILAT_QUANT_KERNELS=torch``)
-everything runs as dequantize-then-``F.linear`` in torch.
+dequantize-then-matmul). From :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32
+and runs the dense float32 matmul (exact, and faster there). Without the extension (no compiler, build error, or
+``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from kilat.model_executor.layers.quantization.native import load_native
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 COLS = 4  # columns per chunk (one 32-bit lane holds 4 int8)
 DENSE_MIN_M = 128
-"""From this many rows of a float32 ``x`` on, :func:`quant_linear` dequantizes and runs the dense matmul (measured:
-the FMA kernel wins below, dequantize + dense float32 above). Bfloat16/float16 always take the int8 kernel, which
-beats dense bfloat16 (oneDNN, AVX-512 BF16 without AMX) at every M measured, 1 to 512."""
+"""From this many rows of ``x`` on (prefill), :func:`quant_linear` dequantizes the weight to float32 and runs the dense
+float32 matmul, whatever ``x``'s dtype: exact, and at M = 512 on this CPU (AVX-512 without AMX) faster than dense
+bfloat16 on every SmolLM2 shape and than the int8 kernel on all but the widest (gate_up, lm_head); below it the
+kernels win (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -209,7 +210,8 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
     Returns:
         ``[..., N]`` in ``x.dtype``: dequantize-then-matmul up to float rounding (float32 accumulation), and for
-        bfloat16/float16 ``x`` with the C++ kernels, the int8 rounding of ``x`` (module docstring).
+        bfloat16/float16 ``x`` of fewer than :data:`DENSE_MIN_M` rows with the C++ kernels, the int8 rounding of
+        ``x`` (module docstring).
 
     Raises:
         ValueError: when ``x``'s last dimension is not ``K``.
@@ -217,9 +219,11 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
-    if ops is None or x.dtype not in _NATIVE_DTYPES or (
-            x.dtype == torch.float32 and x.numel() >= DENSE_MIN_M * w.in_features):
+    if ops is None or x.dtype not in _NATIVE_DTYPES:
         return F.linear(x, dequantize(w, x.dtype), bias)
+    if x.numel() >= DENSE_MIN_M * w.in_features:
+        y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))
+        return y.to(x.dtype)
     return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
 
 
