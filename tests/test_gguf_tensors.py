@@ -25,6 +25,7 @@ from kilat.model_executor.layers.quantization.gguf_blocks import GGUFTensor, deq
 from kilat.model_executor.layers.quantization.gguf_method import GGUFConfig, gguf_weights
 from kilat.model_executor.loader import converted_gguf_dir, embedded_gguf_path, get_model
 from kilat.model_executor.loader.gguf_tensors import gguf_to_hf_names, iterate_gguf_tensors
+from kilat.model_executor.loader.metadata import gguf_header
 from kilat.model_executor.loader.weights import iterate_safetensors
 from kilat.model_executor.models.llama import LlamaForCausalLM
 from tests.test_loader import _logits
@@ -244,6 +245,20 @@ def _written_type(hf_name: str) -> T:
     if len(parts) == 6 and parts[4] in _KINDS and parts[5] == "weight":
         return TYPES[int(parts[2]), _KINDS[parts[4]]]
     return special.get(hf_name, T.F32)
+
+
+def test_header_reader_matches_gguf_py(tmp_path: Path) -> None:
+    """``metadata.gguf_header`` (the native loader's fast header read) gives gguf-py's tensor table."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen3")
+    metadata, infos = gguf_header(str(path))
+    reader = gguf.GGUFReader(str(path))
+    assert metadata["general.architecture"] == "qwen3" and metadata["qwen3.block_count"] == LAYERS
+    assert [(i.name, i.ggml_type, i.dims, i.offset) for i in infos] == [
+        (t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), t.data_offset) for t in reader.tensors]
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match="truncated GGUF header"):
+        gguf_header(str(path))
 
 
 def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:

@@ -13,29 +13,19 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
+from gguf.quants import quant_shape_to_byte_shape
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
 from kilat.model_executor.layers.quantization.gguf_blocks import GGUFTensor
+from kilat.model_executor.loader.metadata import GGUFTensorInfo, gguf_header
 from kilat.model_executor.models.registry import ARCH_BY_MODEL_TYPE
 
 logger = logging.getLogger("kilat")
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 """ggml types that come out as ordinary tensors (float32, float16, bfloat16)."""
-
-
-def gguf_architecture(reader: GGUFReader) -> str:
-    """The file's ``general.architecture`` (llama.cpp's name: ``llama`` also for Mistral files).
-
-    Raises:
-        ValueError: when the file does not say.
-    """
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("GGUF file has no general.architecture")
-    return field.contents()
 
 
 def iterate_gguf_tensors(gguf_path: str, hf_config: PretrainedConfig
@@ -47,9 +37,11 @@ def iterate_gguf_tensors(gguf_path: str, hf_config: PretrainedConfig
     them. F32/F16/BF16 tensors are yielded as torch tensors in that dtype, in HF shape; quantized ones as a
     :class:`GGUFTensor` (``[rows, bytes_per_row]`` uint8 blocks, logical ``(rows, cols)`` =
     ``[out_features, in_features]``). Both are zero-copy views of the memory-mapped file (copy-on-write, so
-    writing to them never changes the file), except the query/key projections of llama-family files, whose
-    rows are reordered: transformers' tensor processor, which undoes llama.cpp's Q/K permutation, moves whole
-    rows, so it applies to the blocks unchanged.
+    writing to them never changes the file), laid out as ``gguf.GGUFReader`` lays them out, except the
+    query/key projections of llama-family files, whose rows are reordered: transformers' tensor processor,
+    which undoes llama.cpp's Q/K permutation, moves whole rows, so it applies to the blocks unchanged. The
+    header is read by :func:`~kilat.model_executor.loader.metadata.gguf_header` (``GGUFReader`` would parse
+    the tokenizer arrays too: seconds).
 
     Args:
         gguf_path: the .gguf file.
@@ -57,22 +49,27 @@ def iterate_gguf_tensors(gguf_path: str, hf_config: PretrainedConfig
             config.json); gives the model type, layer count and head counts.
 
     Raises:
-        ValueError: for a model type kilat does not run, or a quantized tensor that is not 2-D.
+        ValueError: for a model type kilat does not run, an unreadable header, an unknown architecture or
+            tensor type, or a quantized tensor that is not 2-D.
     """
     if hf_config.model_type not in ARCH_BY_MODEL_TYPE:
         raise ValueError(f"GGUF model type {hf_config.model_type!r} is not one of {sorted(ARCH_BY_MODEL_TYPE)}")
-    reader = GGUFReader(gguf_path, "c")
-    architecture = gguf_architecture(reader)
+    metadata, infos = gguf_header(gguf_path)
+    architecture = metadata.get("general.architecture")
+    if not isinstance(architecture, str):
+        raise ValueError(f"{gguf_path} has no general.architecture")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     name_map = gguf_to_hf_names(architecture, hf_config)
+    file = np.memmap(gguf_path, mode="c")
     skipped = []
-    for tensor in reader.tensors:
-        hf_name = name_map.get(tensor.name)
+    for info in infos:
+        hf_name = name_map.get(info.name)
         if hf_name is None:
-            skipped.append(tensor.name)
+            skipped.append(info.name)
             continue
-        data = processor.process(weights=tensor.data, name=tensor.name).weights
-        yield hf_name, _to_torch(tensor.name, data, tensor.tensor_type, [int(n) for n in reversed(tensor.shape)])
+        qtype, data = _read_tensor(file, info)
+        data = processor.process(weights=data, name=info.name).weights
+        yield hf_name, _to_torch(info.name, data, qtype, list(reversed(info.dims)))
     if skipped:
         logger.info("%s: skipped GGUF tensors with no HF name: %s", gguf_path, skipped)
 
@@ -102,9 +99,24 @@ def gguf_to_hf_names(architecture: str, hf_config: PretrainedConfig) -> dict[str
     return names
 
 
+def _read_tensor(file: np.ndarray, info: GGUFTensorInfo) -> tuple[GGMLQuantizationType, np.ndarray]:
+    """A tensor's type and data as ``gguf.GGUFReader`` gives them: F32/F16 as such in numpy order (reversed
+    dims), every other type as uint8 ``[*rows, bytes_per_row]``."""
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise ValueError(f"GGUF tensor {info.name}: unknown ggml type {info.ggml_type}") from None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    shape = tuple(reversed(info.dims))
+    raw = file[info.offset:info.offset + int(np.prod(shape)) * type_size // block_size]
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return qtype, raw.view(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16).reshape(shape)
+    return qtype, raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+
+
 def _to_torch(name: str, data: np.ndarray, qtype: GGMLQuantizationType, shape: list[int]
               ) -> GGUFTensor | torch.Tensor:
-    """One reader tensor (``data`` as gguf-py's reader lays it out, ``shape`` in HF order) as torch."""
+    """One tensor (``data`` as :func:`_read_tensor` gives it, ``shape`` in HF order) as torch."""
     tensor = torch.from_numpy(np.ascontiguousarray(data))
     if qtype == GGMLQuantizationType.BF16:  # the reader gives BF16 as raw bytes
         return tensor.view(torch.bfloat16).view(shape)

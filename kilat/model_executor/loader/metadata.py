@@ -1,14 +1,16 @@
-"""Model metadata read without loading weights: the context length a checkpoint supports.
+"""Model metadata read without loading weights: the context length a checkpoint supports, a GGUF's tensor table.
 
 Used to validate engine arguments in the calling process before the engine core loads the model. An HF
 directory, a dummy preset or a config.json file is read through its (small) HF config; a GGUF file through its
 header only, stopping at ``<arch>.context_length`` (the key transformers maps to ``max_position_embeddings``),
 so that neither the tensors nor the tokenizer arrays are read (``gguf.GGUFReader`` parses them all: seconds).
+:func:`gguf_header` reads the whole header the same way (arrays skipped) for the native GGUF loader.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from transformers import PretrainedConfig
@@ -22,6 +24,24 @@ _GGUF_MAGIC = b"GGUF"
 _GGUF_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 """GGUF metadata value types of fixed size, by type id, as ``struct`` formats."""
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_DEFAULT_ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of a GGUF file's tensor table.
+
+    Attributes:
+        name: llama.cpp's tensor name (``blk.0.attn_q.weight``).
+        ggml_type: the ggml type id (``gguf.GGMLQuantizationType`` value).
+        dims: the dimensions in ggml order (``ne0``, the contiguous one, first).
+        offset: the absolute byte offset of the tensor's data in the file.
+    """
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+    offset: int
 
 
 def max_position_embeddings(hf_config: PretrainedConfig) -> int:
@@ -70,6 +90,43 @@ def gguf_context_length(path: str) -> int | None:
         except struct.error as e:
             raise ValueError(f"{path}: truncated GGUF header ({e})") from e
     return None
+
+
+def gguf_header(path: str) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
+    """A GGUF file's (version 2 or 3, little-endian) scalar and string metadata, arrays skipped, and its tensor
+    table, in file order. Reads only the header: milliseconds where ``gguf.GGUFReader`` takes seconds.
+
+    Raises:
+        ValueError: not a GGUF file, an unsupported version or byte order, or a truncated header.
+    """
+    with open(path, "rb") as f:
+        try:
+            if f.read(4) != _GGUF_MAGIC:
+                raise ValueError(f"{path} is not a GGUF file (bad magic)")
+            version, num_tensors, num_kv = struct.unpack("<IQQ", f.read(20))
+            if version not in (2, 3):
+                raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
+            metadata: dict[str, Any] = {}
+            for _ in range(num_kv):
+                key = _read_string(f)
+                kind = struct.unpack("<I", f.read(4))[0]
+                if kind == _GGUF_ARRAY:
+                    _skip_value(f, kind)
+                else:
+                    metadata[key] = _read_value(f, kind)
+            entries = []
+            for _ in range(num_tensors):
+                name = _read_string(f)
+                (n_dims,) = struct.unpack("<I", f.read(4))
+                dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+                ggml_type, offset = struct.unpack("<IQ", f.read(12))
+                entries.append((name, ggml_type, dims, offset))
+        except struct.error as e:
+            raise ValueError(f"{path}: truncated GGUF header ({e})") from e
+        alignment = metadata.get("general.alignment", _GGUF_DEFAULT_ALIGNMENT)
+        data_start = -(-f.tell() // alignment) * alignment
+    return metadata, [GGUFTensorInfo(name, ggml_type, dims, data_start + offset)
+                      for name, ggml_type, dims, offset in entries]
 
 
 def _read_string(f: BinaryIO) -> str:
