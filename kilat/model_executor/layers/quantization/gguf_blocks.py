@@ -89,6 +89,7 @@ def _bit_fields(b: torch.Tensor, width: int) -> torch.Tensor:
     """Bytes ``[n, chunks, L]`` -> their ``width``-bit fields, lowest first, ``[n, chunks * 8 / width * L / 32, 32]``:
     each chunk's field 0 of every byte, then its field 1, ... (ggml's order within a chunk)."""
     mask = (1 << width) - 1
+    b = b.contiguous()  # a strided view of the blocks is ~30% slower to shift
     fields = torch.stack([(b >> shift) & mask for shift in range(0, 8, width)], dim=2)
     return fields.reshape(b.shape[0], -1, 32)
 
