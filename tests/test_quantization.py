@@ -71,11 +71,12 @@ def test_online_methods_equal_a_dense_model_of_their_dequantized_weights(
         target = dense.get_submodule(name)
         target.weight = torch.nn.Parameter(kernels.dequantize(method.qweight), requires_grad=False)
     assert torch.equal(model.model.embed_tokens.weight, dense.model.embed_tokens.weight.to(getattr(torch, dtype)))
+    got, want = _logits(model), _logits(dense)
     if dtype == "float32":
-        torch.testing.assert_close(_logits(model), _logits(dense), atol=2e-5, rtol=1e-5)
-    else:  # bfloat16 activations round at every layer; the quantized weights are the same
-        dense = dense.to(torch.bfloat16)
-        torch.testing.assert_close(_logits(model), _logits(dense), atol=0.1, rtol=0.05)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    else:  # bfloat16 activations round at every layer, and small-M kernels quantize them to int8 per 32 inputs
+        err = (got - want).abs()
+        assert err.max() < 0.25 and err.mean() < 0.03, (err.max(), err.mean())
 
 
 def test_round_to_nearest_error_is_at_most_half_a_step() -> None:
