@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kilat.config import EngineArgs, ModelConfig
 from kilat.model_executor.layers import Linear
-from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization import kernels, resolve_quantization
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from kilat.model_executor.layers.quantization.weight_only import quantize_int4, quantize_int8
 from kilat.model_executor.loader import get_model
@@ -125,8 +125,19 @@ def test_group_size_must_divide_every_input(checkpoint: Path) -> None:
                               quantization_config={"group_size": 128}), "cpu")
 
 
-def test_gguf_file_runs_dequantized_unless_asked() -> None:
-    """Without ``quantization``, a GGUF is the dequantized reference; online methods requantize it."""
+def test_a_gguf_file_runs_its_own_blocks_on_cpu_except_in_float32() -> None:
+    """Without ``quantization`` a GGUF runs natively on the CPU (the fast default) and dequantized in float32
+    (the exact reference) or on CUDA; online methods requantize it; checkpoint formats are refused."""
     gguf = os.path.join(smollm2_dir(), GGUF_NAME)
-    assert EngineArgs(model=gguf).create_engine_config().model.quantization is None
-    assert EngineArgs(model=gguf, quantization="int8").create_engine_config().model.quantization == "int8"
+
+    def resolved(dtype: torch.dtype, device: str = "cpu", quantization: str | None = None) -> str | None:
+        config = resolve_quantization(quantization, None, "gguf", gguf, dtype, device)
+        return None if config is None else config.name
+
+    assert resolved(torch.bfloat16) == "gguf" and resolved(torch.float16) == "gguf"
+    assert resolved(torch.float32) is None and resolved(torch.bfloat16, "cuda") is None
+    assert resolved(torch.float32, quantization="gguf") == "gguf"
+    assert resolved(torch.bfloat16, quantization="int8") == "int8"
+    with pytest.raises(ValueError, match="quantization 'awq' needs a checkpoint stored in that format; .* is a "
+                                         "GGUF file"):
+        EngineArgs(model=gguf, quantization="awq").create_engine_config()

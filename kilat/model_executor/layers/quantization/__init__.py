@@ -64,9 +64,11 @@ def resolve_quantization(quantization: str | None, options: dict[str, Any] | Non
     """The model's quantization config, or ``None`` for unquantized weights.
 
     Rules (vLLM's, where it has them): a checkpoint whose config.json has a ``quantization_config`` runs its
-    ``quant_method`` (``quantization`` may name it or be ``None``); a GGUF file runs dequantized unless
-    ``quantization`` is ``"gguf"``; an online method (``int8``, ``int4``) quantizes any 16/32-bit checkpoint
-    at load. ``options`` (the ``quantization_config`` engine argument) override the checkpoint's settings.
+    ``quant_method`` (``quantization`` may name it or be ``None``); a GGUF file runs its own quantized blocks
+    (``"gguf"``) by default on the CPU, where kilat has fast kernels for them, and dequantized in ``dtype`` on
+    CUDA or in float32 (the exact reference that matches HF transformers); an online method (``int8``,
+    ``int4``, ``fp8``) quantizes any 16/32-bit checkpoint at load. ``options`` (the ``quantization_config``
+    engine argument) override the checkpoint's settings.
 
     Args:
         quantization: the engine argument (``None``: whatever the checkpoint says).
@@ -86,6 +88,8 @@ def resolve_quantization(quantization: str | None, options: dict[str, Any] | Non
             raise ValueError(f"quantization {quantization!r} does not match the checkpoint, which is quantized "
                              f"with {method!r} (config.json quantization_config.quant_method)")
         quantization = method
+    if quantization is None and source_kind == "gguf" and device == "cpu" and dtype != torch.float32:
+        quantization = "gguf"
     if quantization is None:
         return None
     cls = get_quantization_config_class(quantization)
