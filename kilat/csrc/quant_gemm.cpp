@@ -102,37 +102,44 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool quantize) {
   Activations a;
   a.m = x.size(0);
   a.kp = l.chunks * kCols;
+  const int64_t nb = a.kp / l.block, nchunks = a.kp / kCols;
   a.xf.assign(a.m * a.kp, 0.f);
+  a.xsum.assign(a.m * l.groups, 0.f);
+  if (quantize) {
+    a.xd.assign(a.m * nb, 0.f);
+    a.xc.assign(a.m * nb, 0);
+    a.xq.assign(a.m * nchunks, 0);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "prepare", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < a.m; ++m)
-      for (int64_t c = 0; c < l.k; ++c) a.xf[m * a.kp + c] = static_cast<float>(src[m * l.k + c]);
-  });
-  a.xsum.assign(a.m * l.groups, 0.f);
-  for (int64_t m = 0; m < a.m; ++m)
-    for (int64_t c = 0; c < a.kp; ++c) a.xsum[m * l.groups + c / l.span] += a.xf[m * a.kp + c];
-  if (!quantize) return a;
-  const int64_t nb = a.kp / l.block;
-  a.xd.assign(a.m * nb, 0.f);
-  a.xc.assign(a.m * nb, 0);
-  a.xq.assign((a.kp / kCols) * a.m, 0);
-  for (int64_t m = 0; m < a.m; ++m) {
-    const float* xm = &a.xf[m * a.kp];
-    for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;
-      for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) amax = std::max(amax, std::fabs(xm[c]));
-      const float d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) {
-        const int v = static_cast<int>(std::clamp(std::nearbyint(xm[c] * inv), -127.f, 127.f));
-        sum += v;
-        reinterpret_cast<int8_t*>(&a.xq[m * (a.kp / kCols) + c / kCols])[c % kCols] = static_cast<int8_t>(v);
+    at::parallel_for(0, a.m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        float* xm = &a.xf[m * a.kp];
+        for (int64_t c = 0; c < l.k; ++c) xm[c] = static_cast<float>(src[m * l.k + c]);
+        for (int64_t g = 0; g < l.groups; ++g) {
+          float sum = 0.f;
+          for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) sum += xm[c];
+          a.xsum[m * l.groups + g] = sum;
+        }
+        if (!quantize) continue;
+        int8_t* xq = reinterpret_cast<int8_t*>(&a.xq[m * nchunks]);
+        for (int64_t b = 0; b < nb; ++b) {
+          float amax = 0.f;
+          for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) amax = std::max(amax, std::fabs(xm[c]));
+          const float d = amax / 127.f;
+          const float inv = d > 0.f ? 1.f / d : 0.f;
+          int32_t sum = 0;
+          for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) {
+            const int v = static_cast<int>(std::clamp(std::nearbyint(xm[c] * inv), -127.f, 127.f));
+            sum += v;
+            xq[c] = static_cast<int8_t>(v);  // dword c / 4, byte c % 4
+          }
+          a.xd[m * nb + b] = d;
+          a.xc[m * nb + b] = 128 * sum;
+        }
       }
-      a.xd[m * nb + b] = d;
-      a.xc[m * nb + b] = 128 * sum;
-    }
-  }
+    });
+  });
   return a;
 }
 
