@@ -39,7 +39,7 @@ def _load_tile(cache_ptr, scale_ptr, table_row_ptr, offs, valid, kv_head, d, d_m
                PAGE: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of context positions ``offs`` (0 where not ``valid``), found
     through the request's block table row; a quantized cache (``QUANT``) is dequantized with its per-token
-    scales (``stored * scale`` in float32) to ``OUT_DTYPE``."""
+    scales, ``stored * scale`` in ``OUT_DTYPE`` (as ``kv_cache.dequantize_kv``)."""
     block = tl.load(table_row_ptr + offs // PAGE, mask=valid, other=0).to(tl.int64)
     kv_off = block * stride_block + (offs % PAGE) * stride_tok + kv_head * HEAD_DIM
     kv_mask = valid[:, None] & d_mask[None, :]
@@ -49,8 +49,10 @@ def _load_tile(cache_ptr, scale_ptr, table_row_ptr, offs, valid, kv_head, d, d_m
         scale_off = block * stride_scale_block + (offs % PAGE) * stride_scale_tok + kv_head
         k_scale = tl.load(scale_ptr + scale_off, mask=valid, other=0.0)
         v_scale = tl.load(scale_ptr + scale_values_offset + scale_off, mask=valid, other=0.0)
-        k = (k.to(tl.float32) * k_scale[:, None]).to(OUT_DTYPE)
-        v = (v.to(tl.float32) * v_scale[:, None]).to(OUT_DTYPE)
+        # the scale rounded to OUT_DTYPE, the exact product rounded once (a 16-bit multiply; Triton's interpreter
+        # gets 16-bit arithmetic wrong, so it is spelled in float32)
+        k = (k.to(tl.float32) * k_scale.to(OUT_DTYPE).to(tl.float32)[:, None]).to(OUT_DTYPE)
+        v = (v.to(tl.float32) * v_scale.to(OUT_DTYPE).to(tl.float32)[:, None]).to(OUT_DTYPE)
     return k, v
 
 
