@@ -103,7 +103,7 @@ def _fake_core(config: object, input_address: str, output_address: str) -> None:
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(output_address)
-    out.send(pickle.dumps(EngineCoreReady(None, 64)))
+    out.send(pickle.dumps(EngineCoreReady(None, 64, 128)))
     for _ in range(5):
         time.sleep(0.2)
         out.send(pickle.dumps(time.monotonic()))

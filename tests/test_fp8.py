@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -329,8 +330,13 @@ def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
                [{"role": "user", "content": "Name three primary colors."}]]
     params = SamplingParams(temperature=0, max_tokens=24)
     outputs = {}
+    from kilat.model_executor.loader.gguf import converted_gguf_dir
+    from tests.conftest import GGUF_NAME, smollm2_dir
+
+    dequantized = converted_gguf_dir(os.path.join(smollm2_dir(), GGUF_NAME))  # the GGUF itself runs its own blocks
     for quantization in (None, "fp8"):
-        with LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, kv_cache_memory=16 << 20) as llm:
+        with LLM(model=dequantized, dtype="bfloat16", quantization=quantization, max_model_len=256,
+                 kv_cache_memory=16 << 20) as llm:
             if quantization:
                 methods = {m.quant_method.describe() for m in llm.engine.core.runner.model.modules()
                            if isinstance(m, Linear)}
