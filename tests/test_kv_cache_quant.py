@@ -282,15 +282,15 @@ def test_smollm2_greedy_int8_kv_agrees_with_auto(smollm2_prompt_ids: list[list[i
 
 @pytest.mark.slow
 def test_server_with_int8_kv_cache_shows_its_blocks() -> None:
-    """``kilat serve --kv-cache-dtype int8``: /metrics' kilat:cache_config_info carries the block count that
-    64 MiB hold (SmolLM2: 30 layers, 3 KV heads of 64 -> 2 x 30 x 16 x 3 x (64 + 4) bytes per block), and a
-    completion works."""
+    """``kilat serve --quantization int4 --kv-cache-dtype int8``: /metrics' kilat:cache_config_info carries the
+    block count that 64 MiB hold (SmolLM2: 30 layers, 3 KV heads of 64 -> 2 x 30 x 16 x 3 x (64 + 4) bytes per
+    block), and a completion works with int4 weights."""
     import requests
 
     from tests.server_utils import Server
 
     server = Server("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
-                    "--kv-cache-dtype", "int8")
+                    "--kv-cache-dtype", "int8", "--quantization", "int4")
     try:
         num_blocks = (64 << 20) // (2 * 30 * 16 * 3 * (64 + 4))
         info = (f'kilat:cache_config_info{{block_size="16",cache_dtype="int8",enable_prefix_caching="True",'

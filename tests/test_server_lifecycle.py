@@ -212,6 +212,15 @@ def test_api_server_module_is_kilat_serve() -> None:
     assert proc.returncode != 0 and "port must be in [0, 65535], got 70000" in proc.stderr, proc.stderr
 
 
+def test_a_quantization_that_does_not_fit_fails_before_loading() -> None:
+    """``kilat serve --quantization awq`` on the embedded GGUF exits non-zero naming the field, loading nothing."""
+    proc = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "serve", "--quantization", "awq"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "quantization 'awq' needs a checkpoint stored in that format" in proc.stderr, \
+        proc.stderr
+    assert "loaded" not in proc.stderr and "serving" not in proc.stderr, proc.stderr
+
+
 def test_engine_core_exits_when_server_is_killed() -> None:
     server = Server(*SMALL_KV)
     core = server.engine_core_pid()
