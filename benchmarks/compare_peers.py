@@ -189,7 +189,10 @@ def w5_online(url: str) -> dict[str, Any]:
     return run
 
 
-def run_server_peer(name: str, with_w5: bool = False) -> dict[str, Any]:
+SERVED_WORKLOADS = ("w6_c1", "w6_c16", "w1", "w3", "w4")
+
+
+def run_server_peer(name: str, with_w5: bool = False, only: tuple[str, ...] = SERVED_WORKLOADS) -> dict[str, Any]:
     server = start_peer(name)
     out: dict[str, Any] = {"startup_s": server.startup_s}
     workloads: list[tuple[str, Any]] = []
@@ -202,6 +205,8 @@ def run_server_peer(name: str, with_w5: bool = False) -> dict[str, Any]:
                         ("w1", lambda: served(server.url, w1(), "completions", None)),
                         ("w3", lambda: served(server.url, w3(), "completions", None)),
                         ("w4", lambda: asyncio.run(w4_interference(server.url)))):
+            if key not in only and key != "w5":
+                continue
             try:
                 out[key] = fn()
                 print(f"{name} {key}: {summary_line(out[key])}", flush=True)
@@ -326,6 +331,8 @@ def main() -> None:
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--plot", default=None, help="PNG path")
     parser.add_argument("--w5", action="store_true", help="also run W5 (Poisson 2 req/s for 120 s) on the servers")
+    parser.add_argument("--workloads", default=",".join(SERVED_WORKLOADS),
+                        help=f"comma-separated subset of {SERVED_WORKLOADS} for the servers")
     parser.add_argument("--replot", action="store_true",
                         help="run nothing: write --markdown and --plot from the results in --out")
     parser.add_argument("--update", action="store_true",
@@ -341,7 +348,8 @@ def main() -> None:
     for name in [] if args.replot else args.peers.split(","):
         print(f"== {name} ==", flush=True)
         try:
-            results["peers"][name] = run_hf() if name == "hf" else run_server_peer(name, args.w5)
+            results["peers"][name] = (run_hf() if name == "hf" else
+                                      run_server_peer(name, args.w5, tuple(args.workloads.split(","))))
         except Exception as e:
             results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: FAILED {e}", flush=True)
