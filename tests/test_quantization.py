@@ -74,9 +74,12 @@ def test_online_methods_equal_a_dense_model_of_their_dequantized_weights(
     got, want = _logits(model), _logits(dense)
     if dtype == "float32":
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    else:  # bfloat16 activations round at every layer, and small-M kernels quantize them to int8 per 32 inputs
+    else:  # the kernels are float32 inside, but bfloat16 (unit roundoff 2^-8) rounds every layer's output and the
+        # residual stream: measured max 0.027-0.049, mean 0.0058-0.0063 on logits of mean magnitude 0.67 (two
+        # roundings of the mean logit are 0.005). Activations rounded to int8 per 32 inputs gave max 0.06-0.18,
+        # mean 0.012-0.026.
         err = (got - want).abs()
-        assert err.max() < 0.25 and err.mean() < 0.03, (err.max(), err.mean())
+        assert err.max() < 0.1 and err.mean() < 0.01, (err.max(), err.mean())
 
 
 def test_round_to_nearest_error_is_at_most_half_a_step() -> None:

@@ -5,13 +5,10 @@
 // column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4), scales [Np/16, groups, 2, 16] (scale, zero)
 // or [Np/16, groups, 1, 16] (zero 0) in float16 or float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
 //
-// bfloat16/float16 x (AVX-512 VNNI, llama.cpp's method): x is quantized to int8 per block of 32 (16 for group
-// size 16) columns, xq = round(x / d) with d = max|x| / 127, and `vpdpbusd` sums q * xq exactly in int32; each
-// block adds scale * d * dot, each group zero * sum(x) (sum of the unquantized x). The only approximation is
-// |xq d - x| <= d / 2 per element.
-// float32 x: q is widened to float32 and multiplied by x with FMAs (float32 rounding only).
-// CPUs without AVX-512 VNNI use the portable loops (float32). Threads: at::parallel_for over row blocks, so
-// torch's intra-op thread count.
+// x of any dtype (float32, bfloat16, float16) is converted to float32 once per call (the row preparation, which
+// also sums each group of x); q is widened to float32 and multiplied by x with FMAs, so the result is
+// dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs without AVX-512 use the portable loops
+// (same arithmetic). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
@@ -26,12 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
 #define KILAT_AVX512 1
 #include <immintrin.h>
 #endif
@@ -45,7 +40,7 @@ inline float half_or_float(c10::Half h) { return static_cast<float>(h); }
 inline float half_or_float(float f) { return f; }
 
 struct Layout {
-  int64_t bits, chunk_bytes, chunks, groups, span, block, n, k, blocks;
+  int64_t bits, chunk_bytes, chunks, groups, span, n, k, blocks;
   int64_t planes;  // 2: scale and zero per group; 1: scale only (zero 0)
 };
 
@@ -65,7 +60,6 @@ Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bi
   l.groups = scales.size(1);
   l.planes = scales.size(2);
   l.span = l.groups == 1 ? l.chunks * kCols : group_size;
-  l.block = l.span % 32 == 0 ? 32 : 16;
   l.n = n;
   l.k = k;
   l.blocks = qweight.size(0);
@@ -89,27 +83,19 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
   return half_or_float(sz[((blk * l.groups + g) * l.planes + which) * kRows + r]);
 }
 
-// Activations prepared once per call. xf: float32 [M, Kp] (zero padded); xsum: [M, groups] sums of xf per group;
-// for the int8 path xq: [M][Kp/4] dwords of 4 int8, xd: [M, Kp/block] the block scales d, xc: [M, Kp/block]
-// 128 * sum(xq) per block (the 8-bit weights are stored as q + 128).
+// Activations prepared once per call: xf float32 [M, Kp] (x converted, zero padded); xsum [M, groups] sums of xf
+// per group.
 struct Activations {
   int64_t m, kp;
-  std::vector<float> xf, xsum, xd;
-  std::vector<int32_t> xq, xc;
+  std::vector<float> xf, xsum;
 };
 
-Activations prepare(const at::Tensor& x, const Layout& l, bool quantize) {
+Activations prepare(const at::Tensor& x, const Layout& l) {
   Activations a;
   a.m = x.size(0);
   a.kp = l.chunks * kCols;
-  const int64_t nb = a.kp / l.block, nchunks = a.kp / kCols;
   a.xf.assign(a.m * a.kp, 0.f);
   a.xsum.assign(a.m * l.groups, 0.f);
-  if (quantize) {
-    a.xd.assign(a.m * nb, 0.f);
-    a.xc.assign(a.m * nb, 0);
-    a.xq.assign(a.m * nchunks, 0);
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "prepare", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     at::parallel_for(0, a.m, 16, [&](int64_t begin, int64_t end) {
@@ -120,22 +106,6 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool quantize) {
           float sum = 0.f;
           for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) sum += xm[c];
           a.xsum[m * l.groups + g] = sum;
-        }
-        if (!quantize) continue;
-        int8_t* xq = reinterpret_cast<int8_t*>(&a.xq[m * nchunks]);
-        for (int64_t b = 0; b < nb; ++b) {
-          float amax = 0.f;
-          for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) amax = std::max(amax, std::fabs(xm[c]));
-          const float d = amax / 127.f;
-          const float inv = d > 0.f ? 1.f / d : 0.f;
-          int32_t sum = 0;
-          for (int64_t c = b * l.block; c < (b + 1) * l.block; ++c) {
-            const int v = static_cast<int>(std::clamp(std::nearbyint(xm[c] * inv), -127.f, 127.f));
-            sum += v;
-            xq[c] = static_cast<int8_t>(v);  // dword c / 4, byte c % 4
-          }
-          a.xd[m * nb + b] = d;
-          a.xc[m * nb + b] = 128 * sum;
         }
       }
     });
@@ -191,45 +161,12 @@ inline __m512i load_chunk(const uint8_t* wp) {
   }
 }
 
-// int8 activations: rows of block `blk` for x rows m0 .. m0 + MT.
-template <int BITS, int MT, typename S>
-void gemm_block_int8(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
-                     float* y) {
-  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
-  const int64_t chunks_per_block = l.block / kCols, blocks_per_group = l.span / l.block, nb = a.kp / l.block;
-  const int64_t nchunks = a.kp / kCols;
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (int64_t g = 0; g < l.groups; ++g) {
-    __m512 sv, zv;
-    load_scales(sz, l, blk, g, sv, zv);
-    for (int64_t bg = 0; bg < blocks_per_group; ++bg, ++b) {
-      __m512i dot[MT];
-      for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_si512();
-      const int32_t* xp = a.xq.data() + m0 * nchunks + b * chunks_per_block;
-      for (int64_t c = 0; c < chunks_per_block; ++c, wp += l.chunk_bytes, ++xp) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + 16 * l.chunk_bytes, _MM_HINT_T0);
-        const __m512i w = load_chunk<BITS>(wp);
-        for (int i = 0; i < MT; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xp[i * nchunks]));
-      }
-      for (int i = 0; i < MT; ++i) {
-        const int64_t mb = (m0 + i) * nb + b;
-        if constexpr (BITS == 8) dot[i] = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(a.xc[mb]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(sv, _mm512_set1_ps(a.xd[mb])), acc[i]);
-      }
-    }
-    if (l.planes == 2)
-      for (int i = 0; i < MT; ++i)
-        acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
-  }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * kRows, acc[i]);
-}
-
-// float32 activations: q widened to float32, FMAs with broadcast x.
+// Rows m0 .. m0 + MT of x (float32) times row block blk: q widened to float32, FMAs with broadcast x. A partial sums
+// per row (column j of a chunk into sum j % A), so that at least 4 independent FMA chains hide the FMA latency.
 template <int BITS, int MT, typename S>
 void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
                      float* y) {
+  constexpr int A = MT >= kCols ? 1 : kCols / MT;
   const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t chunks_per_group = l.span / kCols;
   __m512 acc[MT];
@@ -237,9 +174,11 @@ void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const 
   for (int64_t g = 0; g < l.groups; ++g) {
     __m512 sv, zv;
     load_scales(sz, l, blk, g, sv, zv);
-    __m512 dot[MT];
-    for (int i = 0; i < MT; ++i) dot[i] = _mm512_setzero_ps();
+    __m512 dot[MT][A];
+    for (int i = 0; i < MT; ++i)
+      for (int s = 0; s < A; ++s) dot[i][s] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + 16 * l.chunk_bytes, _MM_HINT_T0);
       __m512i w = load_chunk<BITS>(wp);
       if constexpr (BITS == 8) w = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // q as int8
       const int64_t col = g * l.span + c * kCols;
@@ -249,51 +188,39 @@ void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const 
           wf = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24));
         else
           wf = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), _mm512_set1_epi32(0xFF)));
-        for (int i = 0; i < MT; ++i) dot[i] = _mm512_fmadd_ps(wf, _mm512_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i]);
+        for (int i = 0; i < MT; ++i)
+          dot[i][j % A] = _mm512_fmadd_ps(wf, _mm512_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A]);
       }
     }
     for (int i = 0; i < MT; ++i) {
-      acc[i] = _mm512_fmadd_ps(dot[i], sv, acc[i]);
+      for (int s = 1; s < A; ++s) dot[i][0] = _mm512_add_ps(dot[i][0], dot[i][s]);
+      acc[i] = _mm512_fmadd_ps(dot[i][0], sv, acc[i]);
       acc[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * kRows, acc[i]);
 }
 
-template <bool INT8, int BITS, int MT, typename S>
-inline void gemm_tile(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l,
-                      int64_t blk, float* y) {
-  if constexpr (INT8)
-    gemm_block_int8<BITS, MT, S>(a, m0, qw, sz, l, blk, y);
-  else
-    gemm_block_fp32<BITS, MT, S>(a, m0, qw, sz, l, blk, y);
-}
-
-template <bool INT8, int BITS, typename S>
+template <int BITS, typename S>
 void gemm_block_avx512(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk, float* y) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= a.m; m0 += 8) gemm_tile<INT8, BITS, 8, S>(a, m0, qw, sz, l, blk, y);
+  for (; m0 + 8 <= a.m; m0 += 8) gemm_block_fp32<BITS, 8, S>(a, m0, qw, sz, l, blk, y);
   if (m0 + 4 <= a.m) {
-    gemm_tile<INT8, BITS, 4, S>(a, m0, qw, sz, l, blk, y);
+    gemm_block_fp32<BITS, 4, S>(a, m0, qw, sz, l, blk, y);
     m0 += 4;
   }
   if (m0 + 2 <= a.m) {
-    gemm_tile<INT8, BITS, 2, S>(a, m0, qw, sz, l, blk, y);
+    gemm_block_fp32<BITS, 2, S>(a, m0, qw, sz, l, blk, y);
     m0 += 2;
   }
-  if (m0 < a.m) gemm_tile<INT8, BITS, 1, S>(a, m0, qw, sz, l, blk, y);
+  if (m0 < a.m) gemm_block_fp32<BITS, 1, S>(a, m0, qw, sz, l, blk, y);
 }
 #endif
 
 template <typename S>
 void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const Layout& l,
               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  const bool int8 = x.scalar_type() != at::kFloat;
-#ifdef KILAT_AVX512
-  const Activations a = prepare(x, l, int8);
-#else
-  const Activations a = prepare(x, l, false);
-#endif
+  const Activations a = prepare(x, l);
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   const S* sz = reinterpret_cast<const S*>(scales.data_ptr());
   at::Tensor biasf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -304,10 +231,8 @@ void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
     std::vector<float> yb(a.m * kRows);
     for (int64_t blk = begin; blk < end; ++blk) {
 #ifdef KILAT_AVX512
-      if (int8 && l.bits == 4) gemm_block_avx512<true, 4, S>(a, qw, sz, l, blk, yb.data());
-      else if (int8) gemm_block_avx512<true, 8, S>(a, qw, sz, l, blk, yb.data());
-      else if (l.bits == 4) gemm_block_avx512<false, 4, S>(a, qw, sz, l, blk, yb.data());
-      else gemm_block_avx512<false, 8, S>(a, qw, sz, l, blk, yb.data());
+      if (l.bits == 4) gemm_block_avx512<4, S>(a, qw, sz, l, blk, yb.data());
+      else gemm_block_avx512<8, S>(a, qw, sz, l, blk, yb.data());
 #else
       gemm_block_ref<S>(a, qw, sz, l, blk, yb.data());
 #endif

@@ -12,19 +12,19 @@ to a multiple of 32, the one group then spanning ``Kp``):
 - ``qweight`` uint8 ``[Np / 16, Kp / 4, B]``, one chunk of 16 rows x 4 columns in ``B`` bytes. 8 bits (``B`` = 64):
   byte ``b`` of chunk ``c`` of row block ``r`` is ``q[16 r + b // 4, 4 c + b % 4] + 128``. 4 bits (``B`` = 32): its
   low nibble is ``q[16 r + b // 4, 4 c + b % 4]``, its high nibble ``q[16 r + 8 + b // 4, 4 c + b % 4]``. A chunk
-  thus loads (4 bits: and one shift) as 16 32-bit lanes, one output row each with 4 consecutive columns: the
-  operand of AVX-512 VNNI ``vpdpbusd``, with no horizontal sums.
+  thus loads (4 bits: and one shift) as 16 32-bit lanes, one output row each with 4 consecutive columns, so the
+  kernel accumulates 16 output rows per 512-bit vector with no horizontal sums.
 - ``scales`` float16 or float32 ``[Np / 16, n_groups, P, 16]``: ``[..., 0, i]`` the scale and ``[..., 1, i]`` the
   zero of row ``16 r + i`` (``P`` = 2; ``P`` = 1, no zero plane, when every zero is 0); float16 only where every
   value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
 
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use, see :mod:`.native`) computes
-``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``. For bfloat16/float16 ``x`` it is llama.cpp's method: ``x``
-quantized to int8 per block of 32 columns (16 for ``G = 16``) with scale ``d = max|x| / 127``, integer dot
-products with VNNI; the only error beyond float rounding is ``|x - d round(x / d)| <= d / 2`` per element. For
-float32 ``x``, ``q`` is widened to float32 and multiplied with FMAs (float rounding only, matching
-dequantize-then-matmul). From :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32
-and runs the dense float32 matmul (exact, and faster there). Without the extension (no compiler, build error, or
+``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` for ``x`` of any dtype: ``x`` converted to float32 inside the
+op, ``q`` widened to float32 and multiplied with FMAs (AVX-512; portable loops otherwise), the output rounded once
+to ``x``'s dtype: dequantize-then-matmul in float32 up to float32 rounding. (llama.cpp's int8 rounding of ``x``
+per block of 32 with VNNI was measured here: no faster end to end, and +6% NLL on SmolLM2 Q4_1.) From
+:data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the dense float32
+matmul (the same exact result, and faster there). Without the extension (no compiler, build error, or
 ``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
 """
 
@@ -39,12 +39,11 @@ import torch.nn.functional as F
 from kilat.model_executor.layers.quantization.native import load_native
 
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
-COLS = 4  # columns per chunk (one 32-bit lane holds 4 int8)
+COLS = 4  # columns per chunk (one 32-bit lane holds 4 bytes)
 DENSE_MIN_M = 128
 """From this many rows of ``x`` on (prefill), :func:`quant_linear` dequantizes the weight to float32 and runs the dense
 float32 matmul, whatever ``x``'s dtype: exact, and at M = 512 on this CPU (AVX-512 without AMX) faster than dense
-bfloat16 on every SmolLM2 shape and than the int8 kernel on all but the widest (gate_up, lm_head); below it the
-kernels win (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
+bfloat16 on every SmolLM2 shape; below it the kernels win (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -209,9 +208,9 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         bias: ``[N]`` or ``None``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``: dequantize-then-matmul up to float rounding (float32 accumulation), and for
-        bfloat16/float16 ``x`` of fewer than :data:`DENSE_MIN_M` rows with the C++ kernels, the int8 rounding of
-        ``x`` (module docstring).
+        ``[..., N]`` in ``x.dtype``. With the C++ kernels: the float32 product of ``x`` and the float32 weight
+        (float32 accumulation), rounded once to ``x.dtype``. On the torch path ``F.linear(x, dequantize(w,
+        x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds the weight to that dtype.
 
     Raises:
         ValueError: when ``x``'s last dimension is not ``K``.
