@@ -169,6 +169,7 @@ void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const 
   constexpr int A = MT >= kCols ? 1 : kCols / MT;
   const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t chunks_per_group = l.span / kCols;
+  const __m512 kNibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < l.groups; ++g) {
@@ -186,8 +187,8 @@ void gemm_block_fp32(const Activations& a, int64_t m0, const uint8_t* qw, const 
         __m512 wf;
         if constexpr (BITS == 8)
           wf = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24));
-        else
-          wf = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), _mm512_set1_epi32(0xFF)));
+        else  // q (0..15) looked up as a float: vpermps reads the low 4 bits of each lane, byte j's nibble
+          wf = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * j), kNibbles);
         for (int i = 0; i < MT; ++i)
           dot[i][j % A] = _mm512_fmadd_ps(wf, _mm512_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A]);
       }
