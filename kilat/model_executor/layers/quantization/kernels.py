@@ -104,6 +104,9 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
         zero: float32 ``[N, K // G]``, or ``None`` for 0.
         bits: 4 or 8.
 
+    On the CPU the first call builds (or loads) the C++ kernels, so a model's load pays for it, not its first
+    request.
+
     Raises:
         ValueError: naming the argument whose dtype, shape or values are not as above, or a non-finite scale/zero.
     """
@@ -129,6 +132,8 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     if not (torch.isfinite(scale).all() and (zero is None or torch.isfinite(zero).all())):
         raise ValueError("scale and zero must be finite")
 
+    if q.device.type == "cpu":
+        native_ops()  # build (first use) or load the kernels now, while the model loads, not on its first request
     np_, kp = _round_up(n, ROWS), (_round_up(k, 32) if group == k else k)
     qp = torch.zeros(np_, kp, dtype=torch.uint8, device=q.device)  # 8 bits: q + 128 (padding 128 is q = 0)
     qp[:n, :k] = q if bits == 4 else (q.to(torch.int16) + 128).to(torch.uint8)
