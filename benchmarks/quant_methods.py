@@ -5,8 +5,9 @@ perplexity on the bundled text, each against the reference the issue's quality b
 For each configuration (one ``LLM`` at a time, freed before the next): perplexity over the whole bundled text
 (``kilat bench quality``'s windows and arithmetic) and W2-style batch-1 decode tokens/s on one fixed prompt
 (``--input-len`` random token ids, ``--output-len`` tokens, EOS ignored; median of ``--num-iters`` after a
-warm-up). Configurations: the float32 and bfloat16 dequantized references, native GGUF (``gguf``), ``int8``,
-``int4`` (group 32), ``fp8`` weights, and the KV cache in ``int8``, ``fp8`` and ``fp8_e5m2``. Each result names
+warm-up). Configurations: the float32 and bfloat16 dequantized references, native GGUF (``gguf``, the default),
+``int8``, ``int4`` (group 32) and ``fp8`` weights quantized from the dequantized weights (against bfloat16), and
+the KV cache in ``int8``, ``fp8`` and ``fp8_e5m2`` (native GGUF weights, against ``gguf``). Each result names
 its reference and the relative perplexity difference in percent; ``--configs`` picks a subset.
 
     python benchmarks/quant_methods.py --out benchmarks/results/quant-methods.json
@@ -32,18 +33,22 @@ sys.path.insert(0, str(ROOT))
 from kilat.bench.quality import machine_info, perplexity, quality_text, split_windows, window_nll  # noqa: E402
 from kilat.sampling_params import SamplingParams  # noqa: E402
 
+DEQUANTIZED = "dequantized"
+"""Stands for the HF folder kilat converts the embedded GGUF into (its weights dequantized): a ``.gguf`` model
+runs its own blocks in bfloat16 on the CPU, so the unquantized bfloat16 baseline needs the folder."""
+
 CONFIGS: dict[str, tuple[dict[str, Any], str | None, float | None]] = {
     # name: (engine arguments, reference config, the issue's bar on the perplexity difference in %)
     "float32": ({"dtype": "float32"}, None, None),
-    "bfloat16": ({"dtype": "bfloat16"}, "float32", None),
-    "gguf": ({"dtype": "bfloat16", "quantization": "gguf"}, "float32", 0.5),
-    "int8": ({"dtype": "bfloat16", "quantization": "int8"}, "bfloat16", 1.0),
-    "int4-g32": ({"dtype": "bfloat16", "quantization": "int4", "quantization_config": {"group_size": 32}},
-                 "bfloat16", 5.0),
-    "fp8": ({"dtype": "bfloat16", "quantization": "fp8"}, "bfloat16", None),
-    "kv-int8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, "bfloat16", 1.0),
-    "kv-fp8": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, "bfloat16", 2.0),
-    "kv-fp8_e5m2": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}, "bfloat16", None),
+    "bfloat16": ({"model": DEQUANTIZED, "dtype": "bfloat16"}, "float32", None),
+    "gguf": ({"dtype": "bfloat16"}, "float32", 0.5),
+    "int8": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "int8"}, "bfloat16", 1.0),
+    "int4-g32": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "int4",
+                  "quantization_config": {"group_size": 32}}, "bfloat16", 5.0),
+    "fp8": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "fp8"}, "bfloat16", None),
+    "kv-int8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, "gguf", 1.0),
+    "kv-fp8": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, "gguf", 2.0),
+    "kv-fp8_e5m2": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}, "gguf", None),
 }
 
 
@@ -52,6 +57,11 @@ def measure(engine_args: dict[str, Any], windows: list[list[int]], input_len: in
     """Perplexity over ``windows`` and batch-1 decode tokens/s of one configuration."""
     from kilat.engine.llm import LLM
 
+    if engine_args.get("model") == DEQUANTIZED:
+        from kilat.model_executor.loader.gguf import converted_gguf_dir
+        from kilat.model_executor.loader.source import resolve_model_source
+
+        engine_args = {**engine_args, "model": converted_gguf_dir(resolve_model_source(None, "auto").path)}
     with LLM(num_threads=num_threads, **engine_args) as llm:
         started = time.perf_counter()
         scored = llm.generate(windows, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
