@@ -45,6 +45,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], str | None, float | None]] = {
     "int8": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "int8"}, "bfloat16", 1.0),
     "int4-g32": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "int4",
                   "quantization_config": {"group_size": 32}}, "bfloat16", 5.0),
+    "int4-g32-dense-lm_head": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "int4",
+                                "quantization_config": {"group_size": 32, "lm_head": False}}, "bfloat16", 5.0),
     "fp8": ({"model": DEQUANTIZED, "dtype": "bfloat16", "quantization": "fp8"}, "bfloat16", None),
     "kv-int8": ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, "gguf", 1.0),
     "kv-fp8": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, "gguf", 2.0),
