@@ -4,6 +4,7 @@ computes exactly what a dense model of the dequantized weights computes."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from kilat.model_executor.layers.quantization.awq_gptq import (
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from kilat.model_executor.loader import get_model
 from tests.conftest import GGUF_NAME, smollm2_dir
-from tests.test_models import _Sequences
+from tests.test_models import two_step_logits
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
                      vocab_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -35,6 +36,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")
 FUSED_INPUTS = {"self_attn.q_proj": "attn", "self_attn.k_proj": "attn", "self_attn.v_proj": "attn",
                 "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp"}
+_logits = functools.partial(two_step_logits, vocab_size=CONFIG.vocab_size)
 
 
 # --- the formats, written here from their specifications (the inverse of what kilat reads) ---
@@ -268,14 +270,6 @@ def checkpoints(hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFact
         (dense / "config.json").write_text(json.dumps(config))
         out[case] = (quantized, dense)
     return out
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
-    runner = _Sequences(model, [23], block_size=8)
-    first, = runner.step([(0, ids[:20], 0)])
-    second, = runner.step([(0, ids[20:], 20)])
-    return torch.cat([first, second])
 
 
 DESCRIBE = {"awq-g32": "awq 4-bit g32", "gptq-v1-g32-act-order": "gptq 4-bit g32 act-order",

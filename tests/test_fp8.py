@@ -4,6 +4,7 @@ the embedded model's greedy agreement with bfloat16."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -20,12 +21,13 @@ from kilat.model_executor.layers.quantization import fp8
 from kilat.model_executor.layers.quantization.fp8 import FP8_MAX, Fp8Config, fp8_e4m3_to, quantize_fp8
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 from kilat.model_executor.loader import get_model
-from tests.test_models import _Sequences
+from tests.test_models import two_step_logits
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
                      vocab_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROJECTIONS_WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
+_logits = functools.partial(two_step_logits, vocab_size=CONFIG.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +42,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(path)
     return path
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
-    runner = _Sequences(model, [23], block_size=8)
-    first, = runner.step([(0, ids[:20], 0)])
-    second, = runner.step([(0, ids[20:], 20)])
-    return torch.cat([first, second])
 
 
 def _dense_twin(model: torch.nn.Module, path: Path) -> torch.nn.Module:
@@ -359,8 +353,9 @@ def test_decode_bytes_count_quantized_weights(checkpoint: Path) -> None:
 
     sizes = {}
     for quantization in (None, "fp8", "int4"):
+        options = {"lm_head": True} if quantization == "int4" else None  # int4 keeps lm_head dense by default
         model, config, dtype = get_model(ModelConfig(model=str(checkpoint), dtype="float32",
-                                                     quantization=quantization), "cpu")
+                                                     quantization=quantization, quantization_config=options), "cpu")
         sizes[quantization] = weight_bytes(model)
         norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
     linear = sum(i * o for i, o in [(64, 64 + 2 * 32), (64, 64), (64, 256), (128, 64)]) * 2 + 256 * 64  # +lm_head

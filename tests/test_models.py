@@ -104,6 +104,16 @@ class _Sequences:
         return list(logits.split(query_lens))
 
 
+def two_step_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """Logits of 23 fixed random tokens through ``model`` with paged KV: a 20-token prefill, then a 3-token chunk
+    over that context (for comparing a model with another holding the same weights in another form)."""
+    ids = torch.randint(0, vocab_size, (23,), generator=torch.Generator().manual_seed(4))
+    runner = _Sequences(model, [23], block_size=8)
+    first, = runner.step([(0, ids[:20], 0)])
+    second, = runner.step([(0, ids[20:], 20)])
+    return torch.cat([first, second])
+
+
 def test_mixed_prompt_lengths_one_batch(checkpoint: tuple[Path, torch.nn.Module]) -> None:
     path, hf = checkpoint
     model = _load(path)

@@ -3,6 +3,7 @@ weight-only methods (``int8``, ``int4``) against their own dequantized weights i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -18,10 +19,11 @@ from kilat.model_executor.layers.quantization.unquantized import UnquantizedLine
 from kilat.model_executor.layers.quantization.weight_only import quantize_int4, quantize_int8
 from kilat.model_executor.loader import get_model
 from tests.conftest import GGUF_NAME, smollm2_dir
-from tests.test_models import _Sequences
+from tests.test_models import two_step_logits
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
                      vocab_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+_logits = functools.partial(two_step_logits, vocab_size=CONFIG.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +37,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(path)
     return path
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, CONFIG.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
-    runner = _Sequences(model, [23], block_size=8)
-    first, = runner.step([(0, ids[:20], 0)])
-    second, = runner.step([(0, ids[20:], 20)])
-    return torch.cat([first, second])
 
 
 @pytest.mark.parametrize(("quantization", "options", "describe"), [
