@@ -509,10 +509,11 @@ def section_spec_decode(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- quantization
 
 QUANT_VARIANTS: dict[str, dict[str, Any]] = {
-    "bf16": {}, "fp8-w8a8": {"quantization": "fp8"}, "int4-weight-only": {"quantization": "int4"},
+    "bf16": {}, "fp8-w8a8": {"quantization": "fp8"},
+    "int4-weight-only": {"quantization": "int4", "quantization_config": {"lm_head": True}},
     "fp8-kv-cache": {"kv_cache_dtype": "fp8"}}
 """The quantization section's engines: these engine arguments over Llama-3-8B shapes in bfloat16 (dummy
-weights; ``fp8`` and ``int4`` quantize them at load)."""
+weights; ``fp8`` and ``int4`` quantize them at load, ``lm_head`` included for both)."""
 QUANT_OUTPUT_LEN = 64
 """Decode tokens of each quantization W2 run (8 with ``--smoke``): one warm-up and one timed run per variant,
 short because a variant without a fast kernel on the device (int4 dequantizes per call there) is slow."""
