@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # kernels import the loader's cache helpers, which import the models: not at import time
-    from kilat.model_executor.layers.quantization import kernels
+from kilat.model_executor.layers.quantization import kernels
 
 
 class VocabEmbedding(nn.Module):
@@ -55,8 +52,6 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``input_ids [T] -> [T, embedding_dim]``."""
         if self.qweight is not None:
-            from kilat.model_executor.layers.quantization import kernels
-
             return kernels.embedding(input_ids, self.qweight, self.dtype)
         return F.embedding(input_ids, self.weight)
 

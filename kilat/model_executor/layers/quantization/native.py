@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from kilat.model_executor.loader.gguf_cache import file_lock, kilat_cache_dir
-
 logger = logging.getLogger("kilat")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "csrc", "quant_gemm.cpp")
@@ -73,6 +71,8 @@ def _library_path() -> str:
         source = f.read()
     key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
                                      sys.version.encode()])).hexdigest()[:16]
+    from kilat.model_executor.loader.gguf_cache import file_lock, kilat_cache_dir  # the loader imports the layers
+
     folder = os.path.join(kilat_cache_dir(), "kernels", key)
     os.makedirs(folder, exist_ok=True)
     library = os.path.join(folder, "kilat_quant_gemm.so")
