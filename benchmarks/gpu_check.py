@@ -328,21 +328,14 @@ def w2_prompt(vocab: int, length: int, seed: int) -> list[int]:
 def w2_decode(engine: Any, input_len: int, out_len: int, iters: int) -> dict[str, Any]:
     """W2 on a kilat engine: one warm-up run, then ``iters`` timed runs of one ``input_len``-token prompt (a new
     one each run) decoding ``out_len`` tokens; the run of median decode tokens/s, with all runs' values."""
-    from kilat import SamplingParams
+    from kilat.bench.mbu import timed_request
 
     vocab = engine.hf_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     runs = []
     for i in range(iters + 1):
-        engine.add_request(f"w2-{i}", w2_prompt(vocab, input_len, i), params)
-        start = time.perf_counter()
-        first = None
-        while engine.has_unfinished_requests():
-            if engine.step() and first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
+        run = timed_request(engine, f"w2-{i}", w2_prompt(vocab, input_len, i), out_len)
         if i:  # the first run warms up
-            runs.append({"ttft_s": first - start, "decode_tokens_per_s": (out_len - 1) / (end - first)})
+            runs.append({"ttft_s": run["ttft_s"], "decode_tokens_per_s": run["decode_tokens_per_s"]})
     w2 = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
     return {**w2, "all_runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in runs]}
 

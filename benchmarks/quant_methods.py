@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kilat.bench.mbu import timed_request  # noqa: E402
 from kilat.bench.quality import machine_info, perplexity, quality_text, split_windows, window_nll  # noqa: E402
 from kilat.sampling_params import SamplingParams  # noqa: E402
 
@@ -73,18 +74,8 @@ def measure(engine_args: dict[str, Any], windows: list[list[int]], input_len: in
         num_tokens = sum(len(w) - 1 for w in windows)
         engine = llm.engine
         prompt = np.random.default_rng(1).integers(100, engine.hf_config.vocab_size - 100, input_len).tolist()
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-        rates, ttfts = [], []
-        for i in range(num_iters + 1):  # the first run warms up
-            start, first = time.perf_counter(), None
-            engine.add_request(f"decode-{i}", prompt, params)
-            while engine.has_unfinished_requests():
-                if engine.step() and first is None:
-                    first = time.perf_counter()
-            end = time.perf_counter()
-            if i and first is not None:
-                rates.append((output_len - 1) / (end - first))
-                ttfts.append(first - start)
+        runs = [timed_request(engine, f"decode-{i}", prompt, output_len) for i in range(num_iters + 1)][1:]
+        rates, ttfts = [r["decode_tokens_per_s"] for r in runs], [r["ttft_s"] for r in runs]  # run 0 warmed up
         runner = engine.core.runner
         result = {"engine_args": engine_args, "perplexity": perplexity(nll, num_tokens), "nll_mean": nll / num_tokens,
                   "num_tokens": num_tokens, "scoring_s": scoring_s,

@@ -65,3 +65,23 @@ def decode_bytes_per_step(model: torch.nn.Module, hf_config: Any, context_len: f
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         kv_bytes_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     return weight_bytes(model) + kv_bytes_per_token * context_len
+
+
+def timed_request(engine: Any, request_id: str, prompt: list[int], out_len: int) -> dict[str, float]:
+    """Run one greedy request of ``out_len`` tokens (EOS ignored) alone on an ``LLMEngine`` and time it.
+
+    Returns:
+        ``ttft_s`` (add to first output, seconds), ``e2el_s`` (add to finish) and ``decode_tokens_per_s``
+        (``out_len - 1`` tokens over the time after the first).
+    """
+    from kilat.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len)
+    start, first = time.perf_counter(), None
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft_s": first - start, "e2el_s": end - start, "decode_tokens_per_s": (out_len - 1) / (end - first)}
+

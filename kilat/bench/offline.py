@@ -19,7 +19,7 @@ import numpy as np
 
 from kilat.bench.cli import parse_range
 from kilat.bench.datasets import random_requests
-from kilat.bench.mbu import decode_bytes_per_step, kv_bytes_per_token, measure_bandwidth
+from kilat.bench.mbu import decode_bytes_per_step, kv_bytes_per_token, measure_bandwidth, timed_request
 from kilat.entrypoints.cli import add_engine_args, engine_args_from
 from kilat.sampling_params import SamplingParams
 
@@ -90,21 +90,13 @@ def cmd_latency(ns: argparse.Namespace) -> None:
     llm = _llm(ns)
     engine = llm.engine
     vocab = engine.hf_config.vocab_size
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=ns.output_len)
     rng = np.random.default_rng(1)
     runs = []
     for i in range(ns.num_iters + 1):  # the first run warms up
         prompt = rng.integers(100, vocab - 100, size=ns.input_len).tolist()
-        start = time.perf_counter()
-        first = None
-        engine.add_request(f"latency-{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            if engine.step() and first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        if i and first is not None:
-            runs.append({"ttft_s": first - start, "e2el_s": end - start,
-                         "decode_tokens_per_s": (ns.output_len - 1) / (end - first)})
+        run = timed_request(engine, f"latency-{i}", prompt, ns.output_len)
+        if i:
+            runs.append(run)
     best = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
     runner = engine.core.runner
     step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, ns.input_len + ns.output_len / 2,
