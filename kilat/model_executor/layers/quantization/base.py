@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from kilat.model_executor.layers.linear import Linear
 
 
+def check_bool_option(name: str, value: object) -> None:
+    """Refuse a non-boolean ``quantization_config.<name>`` (JSON ``true``/``false``).
+
+    Raises:
+        ValueError: naming the option and the value.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"quantization_config.{name} must be true or false, got {value!r}")
+
+
 class LinearMethod(ABC):
     """How one linear layer holds, loads and applies its weight.
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
+from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig, check_bool_option
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -314,8 +314,7 @@ class Fp8Config(QuantizationConfig):
         if not isinstance(self.ignored_layers, list) or not all(isinstance(n, str) for n in self.ignored_layers):
             raise ValueError(f"quantization_config.ignored_layers must be a list of layer names, "
                              f"got {self.ignored_layers!r}")
-        if not isinstance(self.lm_head, bool):
-            raise ValueError(f"quantization_config.lm_head must be true or false, got {self.lm_head!r}")
+        check_bool_option("lm_head", self.lm_head)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> Fp8Config:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kilat.model_executor.layers.quantization import kernels
-from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
+from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig, check_bool_option
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -92,8 +92,7 @@ class Int8Config(QuantizationConfig):
     lm_head: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lm_head, bool):
-            raise ValueError(f"quantization_config.lm_head must be true or false, got {self.lm_head!r}")
+        check_bool_option("lm_head", self.lm_head)
 
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
         return _unless_lm_head(self.lm_head, prefix) or WeightOnlyLinearMethod(8, None)
@@ -119,8 +118,7 @@ class Int4Config(QuantizationConfig):
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_config.group_size must be one of {INT4_GROUP_SIZES}, "
                              f"got {self.group_size!r}")
-        if not isinstance(self.lm_head, bool):
-            raise ValueError(f"quantization_config.lm_head must be true or false, got {self.lm_head!r}")
+        check_bool_option("lm_head", self.lm_head)
 
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
         if layer.input_size % self.group_size:
