@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from kilat.model_executor.layers.quantization import kernels
-from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
+from kilat.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig, check_bool_option
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -365,8 +365,7 @@ class GPTQConfig(PackedIntConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("desc_act", "sym"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"quantization_config.{key} must be true or false, got {getattr(self, key)!r}")
+            check_bool_option(key, getattr(self, key))
         if self.checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError("quantization_config.checkpoint_format must be 'gptq' or 'gptq_v2', "
                              f"got {self.checkpoint_format!r}")
