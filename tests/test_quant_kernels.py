@@ -12,13 +12,15 @@ f32)``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kilat.model_executor.layers.quantization import kernels, native
+from kilat.model_executor import native
+from kilat.model_executor.layers.quantization import kernels
 from kilat.model_executor.layers.quantization.kernels import (
     QuantWeight,
     dequantize,
@@ -195,16 +197,16 @@ def test_quant_weight_reports_bytes() -> None:
 
 def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``KILAT_QUANT_KERNELS=torch`` gives the torch path; unset, the kernels load (a C++ compiler is present)."""
-    monkeypatch.setenv(native.ENV_BACKEND, "torch")
-    native.load_native.cache_clear()
+    monkeypatch.setenv(native.QUANT_GEMM.env, "torch")
+    native.load_extension.cache_clear()
     try:
-        assert native.load_native() is None
-        monkeypatch.delenv(native.ENV_BACKEND)
-        native.load_native.cache_clear()
-        ops = native.load_native()
+        assert native.load_extension("quant_gemm") is None
+        monkeypatch.delenv(native.QUANT_GEMM.env)
+        native.load_extension.cache_clear()
+        ops = native.load_extension("quant_gemm")
         assert ops is not None and ops.has_avx512() == ("avx512f" in native._cpu_flags().split())
     finally:
-        native.load_native.cache_clear()
+        native.load_extension.cache_clear()
 
 
 def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path,
@@ -212,14 +214,15 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
     """A source that does not compile logs one warning with the compiler's error; quant_linear still answers."""
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "deliberately broken"\n')
-    monkeypatch.setattr(native, "SOURCE", str(broken))
-    monkeypatch.setattr(native, "_loaded", lambda: False)
+    monkeypatch.setattr(native, "SOURCE_DIR", str(tmp_path))
+    monkeypatch.setitem(native.EXTENSIONS, "quant_gemm", dataclasses.replace(native.QUANT_GEMM, name="broken"))
+    monkeypatch.setattr(native, "_loaded", lambda ext: False)
     monkeypatch.setenv("KILAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(native.ENV_BACKEND, raising=False)
-    native.load_native.cache_clear()
+    monkeypatch.delenv(native.QUANT_GEMM.env, raising=False)
+    native.load_extension.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kilat"):
-            assert native.load_native() is None
+            assert native.load_extension("quant_gemm") is None
         assert any("torch path" in r.message and "deliberately broken" in r.message for r in caplog.records)
         q, scale, zero = make_weight(4, 16, 32, 32)
         w = pack_weight(q, scale, zero, 4)
@@ -227,4 +230,4 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
         torch.testing.assert_close(quant_linear(x, w), F.linear(x, dequantize(w)), rtol=0, atol=0)
         assert not list((tmp_path / "cache" / "kernels").glob("*/*.so"))
     finally:
-        native.load_native.cache_clear()
+        native.load_extension.cache_clear()

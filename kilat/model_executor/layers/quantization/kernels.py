@@ -18,7 +18,8 @@ to a multiple of 32, the one group then spanning ``Kp``):
   zero of row ``16 r + i`` (``P`` = 2; ``P`` = 1, no zero plane, when every zero is 0); float16 only where every
   value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
 
-Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use, see :mod:`.native`) computes
+Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use by :mod:`kilat.model_executor.native`)
+computes
 ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` for ``x`` of any dtype: ``x`` converted to float32 inside the
 op, ``q`` widened to float32 and multiplied with FMAs (AVX-512; portable loops otherwise), the output rounded once
 to ``x``'s dtype: dequantize-then-matmul in float32 up to float32 rounding. (llama.cpp's int8 rounding of ``x``
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kilat.model_executor.layers.quantization.native import load_native
+from kilat.model_executor.native import load_extension
 
 ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 COLS = 4  # columns per chunk (one 32-bit lane holds 4 bytes)
@@ -189,7 +190,7 @@ def dequantize_torch(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torc
 
 def native_ops() -> Any | None:
     """``torch.ops.kilat_quant`` (the C++ kernels, built on first use), or ``None`` for the torch path."""
-    return load_native()
+    return load_extension("quant_gemm")
 
 
 def _native_for(t: torch.Tensor) -> Any | None:
