@@ -19,11 +19,10 @@ to a multiple of 32, the one group then spanning ``Kp``):
   value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
 
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use by :mod:`kilat.model_executor.native`)
-computes
-``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` for ``x`` of any dtype: ``x`` converted to float32 inside the
-op, ``q`` widened to float32 and multiplied with FMAs (AVX-512; portable loops otherwise), the output rounded once
-to ``x``'s dtype: dequantize-then-matmul in float32 up to float32 rounding. (llama.cpp's int8 rounding of ``x``
-per block of 32 with VNNI was measured here: decode ~15% faster, but +6% NLL on SmolLM2 Q4_1.) From
+computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` for ``x`` of any dtype: ``x`` converted to
+float32 inside the op, ``q`` widened to float32 and multiplied with FMAs (AVX-512; portable loops otherwise), the output
+rounded once to ``x``'s dtype: dequantize-then-matmul in float32 up to float32 rounding. (llama.cpp's int8 rounding
+of ``x`` per block of 32 with VNNI was measured here: decode ~15% faster, but +6% NLL on SmolLM2 Q4_1.) From
 :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the dense float32
 matmul (the same exact result, and faster there). Without the extension (no compiler, build error, or
 ``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
