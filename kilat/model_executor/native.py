@@ -55,7 +55,8 @@ class Extension:
 
 
 QUANT_GEMM = Extension("quant_gemm", "kilat_quant", "KILAT_QUANT_KERNELS", "quantized matmul kernels", "gemm")
-EXTENSIONS = {e.name: e for e in (QUANT_GEMM,)}
+CPU_LAYERS = Extension("cpu_layers", "kilat_cpu", "KILAT_CPU_LAYERS", "CPU layer kernels", "rms_norm")
+EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS)}
 
 
 def _cpu_flags() -> str:

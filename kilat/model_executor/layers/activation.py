@@ -6,14 +6,18 @@ import torch
 import torch.nn.functional as F
 
 from kilat.model_executor.forward_context import fused_kernels_enabled
+from kilat.model_executor.layers.cpu_kernels import cpu_layer_ops
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate (Shazeer, 2020): ``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2d] -> [..., d]``.
 
-    ``x`` is the output of a fused ``gate_up_proj`` (gate rows first). One Triton kernel when the step asks
-    for fused kernels and ``x`` is 2-D.
+    ``x`` is the output of a fused ``gate_up_proj`` (gate rows first). On CPU one C++ op (``silu(gate)``
+    rounded to ``x``'s dtype, then times ``up``, as HF); one Triton kernel when the step asks for fused kernels
+    and ``x`` is 2-D.
     """
+    if (ops := cpu_layer_ops(x)) is not None:
+        return ops.silu_and_mul(x)
     if x.dim() == 2 and fused_kernels_enabled():
         from kilat.model_executor.layers import triton_ops
 

@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kilat.model_executor.forward_context import fused_kernels_enabled
+from kilat.model_executor.layers.cpu_kernels import cpu_layer_ops
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -83,9 +84,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x [T, num_heads, head_dim]`` by the ``(cos, sin)`` of :meth:`RotaryEmbedding.forward`.
 
     Equals HF's ``x * cos + rotate_half(x) * sin``: ``rotate_half`` is a roll by ``head_dim // 2`` with the
-    sign already folded into ``sin``. One Triton kernel when the step asks for fused kernels and ``head_dim``
-    is a power of two.
+    sign already folded into ``sin``. On CPU one C++ op (rounding as HF: each product, then their sum, to
+    ``x``'s dtype; ``x`` may be a strided view); one Triton kernel when the step asks for fused kernels and
+    ``head_dim`` is a power of two.
     """
+    if (ops := cpu_layer_ops(x)) is not None:
+        return ops.rotary(x, cos, sin)
     head_dim = x.shape[-1]
     if fused_kernels_enabled() and head_dim & (head_dim - 1) == 0:
         from kilat.model_executor.layers import triton_ops
