@@ -19,12 +19,21 @@ to a multiple of 32, the one group then spanning ``Kp``):
   value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
 
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use by :mod:`kilat.model_executor.native`)
-computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)`` for ``x`` of any dtype: ``x`` converted to
-float32 inside the op, ``q`` widened to float32 and multiplied with FMAs (AVX-512; portable loops otherwise), the output
-rounded once to ``x``'s dtype: dequantize-then-matmul in float32 up to float32 rounding. (llama.cpp's int8 rounding
-of ``x`` per block of 32 with VNNI was measured here: decode ~15% faster, but +6% NLL on SmolLM2 Q4_1.) From
-:data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the dense float32
-matmul (the same exact result, and faster there). Without the extension (no compiler, build error, or
+computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output rounded once to ``x``'s dtype:
+
+- float32 ``x`` (and any ``x`` without AVX512-VNNI): ``q`` widened to float32 and multiplied with FMAs (AVX-512;
+  portable loops otherwise): dequantize-then-matmul in float32 up to float32 rounding.
+- bfloat16/float16 ``x`` with AVX512-VNNI: each block of 16 or 32 values of ``x`` becomes 16-bit integers
+  ``v = x / 2^e`` (``2^e`` a power of two fitting the block's largest ``|x|`` into 15 bits; bfloat16 values within
+  ``2^7`` of that largest are exact, smaller ones are off by at most ``2^-15`` of it), split into two int8 halves,
+  and ``sum_k q v`` is computed exactly in int32 with ``vpdpbusd`` (64 multiply-adds per instruction instead of 16):
+  ~2.5x fewer instructions per weight, the same result as the float32 path up to ~1 rounding of the 16-bit output
+  (2% of outputs differ from it by one unit in the last place). llama.cpp's int8 rounding of ``x`` (8 bits per
+  block of 32) was measured here at +6% NLL on SmolLM2 Q4_1; these 16 bits are not measurable
+  (``kilat bench quality``, docs/benchmarks.md).
+
+From :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the dense float32
+matmul (exact, and faster there). Without the extension (no compiler, build error, or
 ``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
 """
 
