@@ -167,16 +167,18 @@ void rms_norm_row(const T* x, const T* residual, const T* w, T* out, T* s_out, i
     vstore(out + i, vrnd<T>(_mm512_mul_ps(vrnd<T>(_mm512_mul_ps(vload(src + i, m), vinv)), vload(w + i, m))), m);
   }
 #else
-  float acc = 0.f;
+  float acc[16] = {};  // 16 lanes summed as the vector path sums them, then folded in its tree order
   for (int64_t i = 0; i < h; ++i) {
     float s = static_cast<float>(x[i]);
     if (residual != nullptr) {
       s = rnd<T>(s + static_cast<float>(residual[i]));
       s_out[i] = static_cast<T>(s);
     }
-    acc += s * s;
+    acc[i % 16] += s * s;
   }
-  const float inv = 1.f / std::sqrt(acc / static_cast<float>(h) + eps);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+  const float inv = 1.f / std::sqrt(acc[0] / static_cast<float>(h) + eps);
   const T* src = residual != nullptr ? s_out : x;
   for (int64_t i = 0; i < h; ++i)
     out[i] = static_cast<T>(rnd<T>(static_cast<float>(src[i]) * inv) * static_cast<float>(w[i]));
