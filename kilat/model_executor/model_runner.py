@@ -22,6 +22,7 @@ from kilat.model_executor.attention import (
     kv_cache_storage_dtype,
 )
 from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
+from kilat.model_executor.attention.torch_ref import decode_kernels
 from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
@@ -90,6 +91,8 @@ class ModelRunner:
         self.kv_caches, self.kv_scales = self._allocate_kv(self.model, self.num_blocks)
         self.draft_kv_caches, self.draft_kv_scales = (None, None) if self.draft_model is None else \
             self._allocate_kv(self.draft_model, self.num_blocks)
+        if self.attn_backend.name == "torch" and self.kv_scales is None:
+            decode_kernels(self.device, None)  # build or load the C++ decode attention now, not on the first request
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:

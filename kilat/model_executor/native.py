@@ -56,7 +56,9 @@ class Extension:
 
 QUANT_GEMM = Extension("quant_gemm", "kilat_quant", "KILAT_QUANT_KERNELS", "quantized matmul kernels", "gemm")
 CPU_LAYERS = Extension("cpu_layers", "kilat_cpu", "KILAT_CPU_LAYERS", "CPU layer kernels", "rms_norm")
-EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS)}
+CPU_ATTENTION = Extension("cpu_attention", "kilat_cpu_attn", "KILAT_CPU_ATTENTION", "CPU attention kernels",
+                          "paged_decode")
+EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION)}
 
 
 def _cpu_flags() -> str:

@@ -2,17 +2,23 @@
 
 It serves the CPU and is the oracle for faster backends. A step's decodes (requests with one new token)
 are attended together: one gather of their paged context and one ``scaled_dot_product_attention`` call,
-padded to the longest context with a key mask. Requests with several new tokens (prefill chunks) are
-attended one by one with the causal offset of their context.
+padded to the longest context with a key mask. On the CPU with an unquantized cache, decodes instead take
+the C++ kernel ``paged_decode`` (``kilat/csrc/cpu_attention.cpp``), which reads the paged cache in place;
+the gather + SDPA path stays as the fallback (``KILAT_CPU_ATTENTION=torch``, no compiler) and the oracle.
+Requests with several new tokens (prefill chunks) are attended one by one with the causal offset of their
+context.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kilat.model_executor.attention.kv_cache import dequantize_kv, quantize_kv
 from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan
+from kilat.model_executor.native import load_extension
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -64,13 +70,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
     groups = metadata.decodes
+    kernels = decode_kernels(query.device, kv_scales)
+
+    def decode(i: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+        if kernels is not None:
+            return kernels.paged_decode(q, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window or 0)
+        return _decode_attention(q, kv_cache, kv_scales, plan, metadata.decode_mask(i, sliding_window), scale)
+
     if len(groups) == 1 and metadata.num_decode_tokens == query.shape[0]:
-        return _decode_attention(query, kv_cache, kv_scales, groups[0], metadata.decode_mask(0, sliding_window),
-                                 scale)
+        return decode(0, groups[0], query)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
-        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, kv_scales, plan,
-                                           metadata.decode_mask(i, sliding_window), scale)
+        out[plan.rows] = decode(i, plan, query[plan.rows])
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     scales = None if kv_scales is None else kv_scales.view(2, -1, kv_cache.shape[3])
     for i, plan in enumerate(metadata.prefills):
@@ -86,6 +97,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                            scale=scale, enable_gqa=True)
         out[plan.start:plan.end] = o[0].transpose(0, 1)
     return out
+
+
+def decode_kernels(device: torch.device, kv_scales: torch.Tensor | None) -> Any | None:
+    """``torch.ops.kilat_cpu_attn`` (the C++ ``paged_decode``, built on the first call) for decodes on ``device``
+    over a cache with scales ``kv_scales``, or ``None`` where the gather + SDPA path runs (off the CPU, a quantized
+    cache, ``KILAT_CPU_ATTENTION=torch``, or the extension unavailable)."""
+    if device.type != "cpu" or kv_scales is not None:
+        return None
+    return load_extension("cpu_attention")
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype

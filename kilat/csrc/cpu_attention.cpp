@@ -1,0 +1,350 @@
+// Paged decode attention for CPU: each decode's one query token attends its whole context, read in place from the
+// paged KV cache (no gather, no mask). The torch path this replaces is _decode_attention in
+// kilat/model_executor/attention/torch_ref.py, which stays the oracle and the fallback.
+//
+// Work item: one (decode, KV head); its g = num_heads / num_kv_heads query heads are computed together, so each key
+// and value row is read (and converted to float32) once per item. Keys go in tiles of kTile with an online softmax
+// (FlashAttention-2, Dao 2023): scores, softmax and the weighted V sum in float32, the output rounded once to the
+// query dtype. When there are fewer items than threads and the context is long, an item's keys are split across
+// threads (flash-decoding) and the partial results merged by their log-sum-exp. AVX-512 for the row conversions,
+// dot products and V sums where compiled in, portable loops otherwise (same arithmetic up to summation order).
+//
+// Op (namespace kilat_cpu_attn): paged_decode(query [D, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
+// block_ids int64 [D * nb], seq_lens int64 [D], scale, sliding_window) -> [D, H, hd] in the query dtype.
+// query may be a strided view (last dimension contiguous); kv_cache contiguous, of the query's dtype (float32,
+// bfloat16 or float16); block_ids holds each decode's first nb block ids; decode d (its token at position
+// p = seq_lens[d] - 1) sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#define KILAT_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;             // keys per online-softmax step
+constexpr int64_t kSplitMinKeys = 512;    // only contexts longer than this are split across threads
+constexpr int64_t kSplitMinChunk = 256;   // keys per split, at least
+
+// ------------------------------------------------------------------------------------- float32 vector helpers
+#ifdef KILAT_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// dst[0:n] = float(src[0:n])
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef KILAT_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef KILAT_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y[0:n] += a * x[0:n]
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef KILAT_AVX512
+  const __m512 av = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// y[0:n] *= c
+inline void scale(float c, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef KILAT_AVX512
+  const __m512 cv = _mm512_set1_ps(c);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(cv, _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] *= c;
+}
+
+// acc[0:dim] += sum_j p[j] * v[j * dim : (j + 1) * dim] over j < n (each 16 lanes of acc stay in a register)
+inline void weighted_sum(const float* p, const float* v, int64_t n, int64_t dim, float* acc) {
+  int64_t i = 0;
+#ifdef KILAT_AVX512
+  for (; i + 16 <= dim; i += 16) {
+    __m512 a = _mm512_loadu_ps(acc + i);
+    for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * dim + i), a);
+    _mm512_storeu_ps(acc + i, a);
+  }
+#endif
+  for (; i < dim; ++i)
+    for (int64_t j = 0; j < n; ++j) acc[i] += p[j] * v[j * dim + i];
+}
+
+#ifdef KILAT_AVX512
+// e^x for x <= 0 to about 1 ulp (Cephes expf): x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^k
+// by scalef. x below -88 gives 2^-127-ish, not 0: callers mask lanes that must be 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, k);
+}
+#endif
+
+// One online-softmax step over n <= 16 scores s: m becomes max(m, s), s becomes e^(s - m) (the weights), l becomes
+// l e^(m_old - m) + sum of the weights; returns e^(m_old - m), the factor for the output so far.
+inline float softmax_step(float* s, int64_t n, float& m, float& l) {
+  const float m_old = m;
+  float sum = 0.f;
+#ifdef KILAT_AVX512
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s);
+  m = std::max(m, _mm512_reduce_max_ps(x));
+  const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+  _mm512_mask_storeu_ps(s, live, w);
+  sum = _mm512_reduce_add_ps(w);
+#else
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
+#endif
+  const float correction = std::exp(m_old - m);  // 0 on the first step (m_old = -inf)
+  l = l * correction + sum;
+  return correction;
+}
+
+// ------------------------------------------------------------------------------------------------- the problem
+struct Problem {
+  int64_t decodes, heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t values;                // offset of the values plane in the cache (elements)
+  int64_t q_stride0, q_stride1;  // query strides (elements) of dimensions 0 and 1
+  const int64_t* block_ids;
+  const int64_t* seq_lens;
+  float scale;
+  int64_t window;
+
+  int64_t items() const { return decodes * kv_heads; }
+
+  // Keys [begin, end) that decode d sees.
+  void keys(int64_t d, int64_t& begin, int64_t& end) const {
+    end = seq_lens[d];
+    begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+  }
+};
+
+// Softmax state of one item's `group` query heads over some keys, float32 [group * (dim + 2)]: running maxima m
+// [group], sums of exponentials l [group], the unnormalised outputs acc [group, dim]. A state that saw no key has
+// m = -inf, l = 0, acc = 0.
+struct State {
+  float* m;
+  float* l;
+  float* acc;
+  State(float* base, const Problem& p) : m(base), l(base + p.group), acc(base + 2 * p.group) {}
+  static int64_t size(const Problem& p) { return p.group * (p.dim + 2); }
+};
+
+// Per-thread scratch: the item's queries (float32, times scale), one tile's keys, values and scores, an output row.
+struct Scratch {
+  std::vector<float> q, k, v, s, row;
+  explicit Scratch(const Problem& p)
+      : q(p.group * p.dim), k(kTile * p.dim), v(kTile * p.dim), s(kTile), row(p.dim) {}
+};
+
+template <typename T>
+void load_queries(const Problem& p, const T* query, int64_t d, int64_t h, Scratch& sc) {
+  for (int64_t g = 0; g < p.group; ++g) {
+    float* q = &sc.q[g * p.dim];
+    to_float(query + d * p.q_stride0 + (h * p.group + g) * p.q_stride1, q, p.dim);
+    scale(p.scale, q, p.dim);
+  }
+}
+
+// Attend keys [begin, end) of decode d's KV head h into `st` (which starts empty); queries already in sc.q.
+template <typename T>
+void attend(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
+            State st) {
+  const int64_t dim = p.dim;
+  std::fill(st.m, st.m + p.group, -std::numeric_limits<float>::infinity());
+  std::fill(st.l, st.l + p.group, 0.f);
+  std::fill(st.acc, st.acc + p.group * dim, 0.f);
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0);
+    for (int64_t j = 0; j < n; ++j) {  // each key and value row read and converted once for the whole group
+      const int64_t pos = t0 + j;
+      const int64_t block = p.block_ids[d * p.num_blocks + pos / p.block_size];
+      const int64_t row = ((block * p.block_size + pos % p.block_size) * p.kv_heads + h) * dim;
+      to_float(cache + row, &sc.k[j * dim], dim);
+      to_float(cache + p.values + row, &sc.v[j * dim], dim);
+    }
+    for (int64_t g = 0; g < p.group; ++g) {
+      float* s = sc.s.data();
+      for (int64_t j = 0; j < n; ++j) s[j] = dot(&sc.q[g * dim], &sc.k[j * dim], dim);
+      float* acc = &st.acc[g * dim];
+      scale(softmax_step(s, n, st.m[g], st.l[g]), acc, dim);
+      weighted_sum(s, sc.v.data(), n, dim, acc);
+    }
+  }
+}
+
+// Output rows of item (d, h) from its `n_parts` states (consecutive, from `parts`), merged by log-sum-exp:
+// sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with M = max_s m_s. Zeros when no state saw a key.
+template <typename T>
+void finish(const Problem& p, float* parts, int64_t n_parts, int64_t d, int64_t h, T* out, float* row) {
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < p.group; ++g) {
+    float big = none;
+    for (int64_t s = 0; s < n_parts; ++s) big = std::max(big, State(parts + s * State::size(p), p).m[g]);
+    std::fill(row, row + p.dim, 0.f);
+    if (big != none) {
+      float total = 0.f;
+      for (int64_t s = 0; s < n_parts; ++s) {
+        const State st(parts + s * State::size(p), p);
+        const float w = std::exp(st.m[g] - big);
+        total += st.l[g] * w;
+        axpy(w, &st.acc[g * p.dim], row, p.dim);
+      }
+      scale(1.f / total, row, p.dim);
+    }
+    T* o = out + (d * p.heads + h * p.group + g) * p.dim;
+    for (int64_t i = 0; i < p.dim; ++i) o[i] = static_cast<T>(row[i]);
+  }
+}
+
+// Splits per item: 1, or (fewer items than threads, a long context) up to threads / items, >= kSplitMinChunk keys each.
+int64_t num_splits(const Problem& p) {
+  const int64_t threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t d = 0; d < p.decodes; ++d) {
+    int64_t begin, end;
+    p.keys(d, begin, end);
+    longest = std::max(longest, end - begin);
+  }
+  if (p.items() >= threads || longest <= kSplitMinKeys) return 1;
+  return std::max<int64_t>(1, std::min(threads / p.items(), (longest + kSplitMinChunk - 1) / kSplitMinChunk));
+}
+
+template <typename T>
+void run(const Problem& p, const T* query, const T* cache, T* out) {
+  const int64_t splits = num_splits(p);
+  std::vector<float> states(p.items() * splits * State::size(p));
+  auto part = [&](int64_t task) { return &states[task * State::size(p)]; };
+  at::parallel_for(0, p.items() * splits, 1, [&](int64_t first, int64_t last) {
+    Scratch sc(p);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t item = task / splits, split = task % splits;
+      const int64_t d = item / p.kv_heads, h = item % p.kv_heads;
+      int64_t begin, end;
+      p.keys(d, begin, end);
+      const int64_t chunk = (end - begin + splits - 1) / splits;
+      const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
+      load_queries(p, query, d, h, sc);
+      attend(p, cache, d, h, lo, hi, sc, State(part(task), p));
+      if (splits == 1) finish(p, part(task), 1, d, h, out, sc.row.data());
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, p.items(), 1, [&](int64_t first, int64_t last) {
+    Scratch sc(p);
+    for (int64_t item = first; item < last; ++item)
+      finish(p, part(item * splits), splits, item / p.kv_heads, item % p.kv_heads, out, sc.row.data());
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                        const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [decodes, heads, head_dim], last dim contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have the query's dtype");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                  query.scalar_type() == at::kHalf, "query must be float32, bfloat16 or float16");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong && block_ids.dim() == 1 &&
+                  seq_lens.dim() == 1 && block_ids.is_contiguous() && seq_lens.is_contiguous(),
+              "block_ids and seq_lens must be contiguous 1-D int64");
+  Problem p;
+  p.decodes = query.size(0);
+  p.heads = query.size(1);
+  p.dim = query.size(2);
+  p.kv_heads = kv_cache.size(3);
+  p.block_size = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(4) == p.dim && p.kv_heads > 0 && p.heads % p.kv_heads == 0,
+              "kv_cache head_dim must equal the query's and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(seq_lens.size(0) == p.decodes, "seq_lens must hold one length per decode");
+  p.group = p.heads / p.kv_heads;
+  p.num_blocks = p.decodes ? block_ids.size(0) / p.decodes : 0;
+  TORCH_CHECK(block_ids.size(0) == p.decodes * p.num_blocks, "block_ids must hold num_blocks ids per decode");
+  p.values = kv_cache.stride(0);
+  p.q_stride0 = query.stride(0);
+  p.q_stride1 = query.stride(1);
+  p.block_ids = block_ids.data_ptr<int64_t>();
+  p.seq_lens = seq_lens.data_ptr<int64_t>();
+  p.scale = static_cast<float>(scale);
+  p.window = sliding_window;
+  for (int64_t d = 0; d < p.decodes; ++d)
+    TORCH_CHECK(p.seq_lens[d] >= 0 && p.seq_lens[d] <= p.num_blocks * p.block_size,
+                "seq_lens must be in [0, num_blocks * block_size]");
+  for (int64_t i = 0; i < block_ids.size(0); ++i)
+    TORCH_CHECK(p.block_ids[i] >= 0 && p.block_ids[i] < kv_cache.size(1), "block_ids must be in [0, cache blocks)");
+  at::Tensor out = at::empty({p.decodes, p.heads, p.dim}, query.options());
+  if (p.decodes == 0) return out;
+  auto go = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    run<T>(p, query.data_ptr<T>(), kv_cache.data_ptr<T>(), out.data_ptr<T>());
+  };
+  if (query.scalar_type() == at::kFloat)
+    go(static_cast<float*>(nullptr));
+  else if (query.scalar_type() == at::kBFloat16)
+    go(static_cast<c10::BFloat16*>(nullptr));
+  else
+    go(static_cast<c10::Half*>(nullptr));
+  return out;
+}
+
+bool has_avx512() {
+#ifdef KILAT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kilat_cpu_attn, m) {
+  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_ids, Tensor seq_lens, float scale, "
+        "int sliding_window) -> Tensor", paged_decode);
+  m.def("has_avx512() -> bool", has_avx512);
+}

@@ -1,0 +1,133 @@
+"""The C++ paged decode attention for CPU (``kilat/csrc/cpu_attention.cpp``, op ``kilat_cpu_attn.paged_decode``) and
+its use by the torch backend, against the dense float64 oracle of :mod:`tests.attention_utils` and the gather + SDPA
+path it replaces (still taken with ``KILAT_CPU_ATTENTION=torch``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilat.model_executor import native
+from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, paged_attention, torch_ref, write_kv
+from tests.attention_utils import block_tables, naive_attention
+
+BLOCK_SIZE = 16
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """``torch.ops.kilat_cpu_attn``; the suite runs where a C++ compiler is present, so it must build."""
+    ops = native.load_extension("cpu_attention")
+    if ops is None:
+        pytest.fail("the CPU attention kernels did not build (see the kilat log)")
+    return ops
+
+
+def decode_step(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                window: int | None = None, seed: int = 0):
+    """One decode step of ``len(seq_lens)`` requests over shuffled blocks: writes every position's K/V (the last
+    through :func:`write_kv`), runs :func:`paged_attention`, returns (out, expected float64-oracle output, metadata,
+    and the op's inputs ``query, kv_cache, block_ids, seq_lens``)."""
+    g = torch.Generator().manual_seed(seed)
+    tables, num_blocks = block_tables(seq_lens, BLOCK_SIZE, g)
+    (kv_cache,) = allocate_kv_caches(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype, "cpu")
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(k) - 1)],
+                             dtype=torch.int64)
+        flat[0, slots], flat[1, slots] = k[:-1], v[:-1]
+    md = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE, "cpu")
+    # The query as the model passes it: a strided view of a wider projection.
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    query = qkv[:, :num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+    key, value = torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs])
+    scale = head_dim ** -0.5
+    write_kv(kv_cache, key, value, md.slot_mapping)
+    out = paged_attention(query, key, value, kv_cache, md, scale, window)
+    expected = torch.cat([naive_attention(query[r:r + 1], ks[r], vs[r], s - 1, scale, window)
+                          for r, s in enumerate(seq_lens)])
+    plan = md.decodes[0]
+    return out, expected, md, (query, kv_cache, plan.block_ids, plan.seq_lens, scale)
+
+
+def has_decode_mask(md: AttentionMetadata) -> bool:
+    return any(isinstance(k, tuple) and k[0] == "decode_mask" for k in md._cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 40])
+def test_paged_decode_matches_reference(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                        window: int | None) -> None:
+    """Lengths around block boundaries (1, 15, 16, 17) and across several blocks (100), GQA and MHA, a window that
+    cuts only the long one; the kernel runs (no decode mask is built) and matches the float64 oracle."""
+    out, expected, md, _ = decode_step([1, 15, 16, 17, 100], num_heads, num_kv_heads, head_dim, dtype, window)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert not has_decode_mask(md)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_equals_torch_path(ops, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op and the gather + SDPA path it replaces agree on the same step (float16 too, through the op)."""
+    out, _, md, args = decode_step([3, 16, 33, 70], 9, 3, 64, dtype, window=20)
+    monkeypatch.setattr(torch_ref, "decode_kernels", lambda device, kv_scales: None)
+    query, kv_cache, block_ids, seq_lens, scale = args
+    reference = torch_ref._decode_attention(query, kv_cache, None, md.decodes[0], md.decode_mask(0, 20), scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
+    half = ops.paged_decode(query.half(), kv_cache.half(), block_ids, seq_lens, scale, 20)
+    torch.testing.assert_close(half.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seq_lens,window", [([2000], None), ([2000, 1], None), ([2000, 650], 1000)])
+def test_long_context_split_across_threads(ops, seq_lens: list[int], window: int | None) -> None:
+    """One KV head and 4 threads: fewer (decode, KV head) items than threads and a context > 512 keys, so each
+    decode's keys are split across threads (the short ones into empty parts) and merged by log-sum-exp."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out, expected, _, args = decode_step(seq_lens, 8, 1, 64, torch.float32, window, seed=3)
+        query, kv_cache, block_ids, lens, scale = args
+        torch.set_num_threads(1)  # the same op, unsplit
+        serial = ops.paged_decode(query, kv_cache, block_ids, lens, scale, window or 0)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, serial, atol=1e-6, rtol=1e-6)
+
+
+def test_env_torch_takes_the_gather_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KILAT_CPU_ATTENTION=torch``: no kernel, decodes take gather + SDPA (with its mask) and stay correct."""
+    monkeypatch.setenv(native.CPU_ATTENTION.env, "torch")
+    native.load_extension.cache_clear()
+    try:
+        assert torch_ref.decode_kernels(torch.device("cpu"), None) is None
+        out, expected, md, _ = decode_step([1, 15, 17, 100], 9, 3, 64, torch.float32, window=40)
+        assert has_decode_mask(md)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        native.load_extension.cache_clear()
+
+
+def test_quantized_cache_and_other_devices_take_the_torch_path(ops) -> None:
+    assert torch_ref.decode_kernels(torch.device("cpu"), None) is ops
+    assert torch_ref.decode_kernels(torch.device("cpu"), torch.ones(1)) is None
+    assert torch_ref.decode_kernels(torch.device("meta"), None) is None
+
+
+def test_paged_decode_rejects_bad_input(ops) -> None:
+    _, _, _, (query, kv_cache, block_ids, seq_lens, scale) = decode_step([5, 20], 4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="block_ids must be in"):
+        ops.paged_decode(query, kv_cache, block_ids + kv_cache.shape[1], seq_lens, scale, 0)
+    with pytest.raises(RuntimeError, match="seq_lens must be in"):
+        ops.paged_decode(query, kv_cache, block_ids, seq_lens + 100, scale, 0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_decode(query, kv_cache.bfloat16(), block_ids, seq_lens, scale, 0)
+    with pytest.raises(RuntimeError, match="num_heads be a multiple"):
+        ops.paged_decode(query[:, :3], kv_cache, block_ids, seq_lens, scale, 0)
