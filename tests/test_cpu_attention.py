@@ -131,3 +131,35 @@ def test_paged_decode_rejects_bad_input(ops) -> None:
         ops.paged_decode(query, kv_cache.bfloat16(), block_ids, seq_lens, scale, 0)
     with pytest.raises(RuntimeError, match="num_heads be a multiple"):
         ops.paged_decode(query[:, :3], kv_cache, block_ids, seq_lens, scale, 0)
+
+
+def test_engine_builds_kernel_at_start_and_decodes_like_torch_path(ops, tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """The model runner asks for the kernel while it starts (the build is paid at model load); a dummy model's
+    greedy float32 tokens (decode steps of 1 and 3 requests) are the same with the kernel and the torch path."""
+    import json
+
+    from kilat.engine.llm import LLM
+    from kilat.model_executor import model_runner
+    from kilat.sampling_params import SamplingParams
+
+    asked = []
+    monkeypatch.setattr(model_runner, "decode_kernels", lambda device, kv_scales: asked.append((device.type,
+                                                                                                  kv_scales)))
+    config = {"model_type": "llama", "vocab_size": 300, "hidden_size": 96, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              kv_cache_memory=1 << 20)
+    assert asked == [("cpu", None)]
+    prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] + \
+            [list(llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids)]
+
+    with_kernel = generate()
+    monkeypatch.setattr(torch_ref, "decode_kernels", lambda device, kv_scales: None)
+    assert len({tuple(t) for t in with_kernel}) > 1 and generate() == with_kernel
