@@ -154,3 +154,18 @@ def test_torch_fallback(ops, torch_path: None, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, want_out, **tol)
     torch.testing.assert_close(apply_rotary(qk, cos, sin), ops.rotary(qk, cos, sin), **tol)
     torch.testing.assert_close(silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol)
+
+
+def test_other_dtypes_and_devices_are_refused(ops) -> None:
+    """float64 (which the ops' vector helpers do not know) takes the torch path; the ops themselves refuse it and
+    non-CPU inputs with an error instead of reading them."""
+    x = torch.randn(3, 32, dtype=torch.float64)
+    assert cpu_layer_ops(x) is None
+    norm = RMSNorm(32, 1e-5, torch.float64)
+    norm.weight.data.fill_(1.0)
+    norm.process_weights_after_loading()
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.rms_norm(x, torch.ones(32, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        ops.rms_norm(x.float(), torch.ones(32, device="meta"), 1e-5)

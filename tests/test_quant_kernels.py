@@ -8,8 +8,8 @@ compute in float32 from the exact weight and round once to ``x``'s dtype (unit r
 ``2^-8`` bfloat16, ``2^-11`` float16): ``|err| <= f32 + u (|y| + f32)``. The torch path for bfloat16/float16 ``x``
 first rounds the weight to that dtype (``u absdot``) and then the output (rounded by at most ``u (|y| + u absdot +
 f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI the C++ kernels take the integer path: each block of
-``x`` becomes integers ``v = x / 2^e`` rounded by at most ``2^-15 max|x|`` of the block, then exact integer dot
-products: ``split = 2^-15 max_k |x_k| (|q| |scale|)`` more before the output's rounding.
+``x`` becomes integers ``v = x / 2^e`` rounded by at most ``max|x| / 32639`` of the block, then exact integer dot
+products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     f32, u = (k + 4) * 2.0 ** -24 * bound, UNIT_ROUNDOFF[dtype]
     if backend == "native" or dtype == torch.float32:
         if backend == "native" and dtype != torch.float32 and kernels.native_ops().has_vnni():
-            f32 = f32 + 2.0 ** -15 * x.double().abs().amax(-1, keepdim=True) * abs_dot(torch.ones(1, k), q, scale, None)
+            f32 = f32 + x.double().abs().amax(-1, keepdim=True) * abs_dot(torch.ones(1, k), q, scale, None) / 32639
         tol = f32 + u * (exact.abs() + f32)
     else:
         tol = f32 + u * bound + u * (exact.abs() + u * bound + f32)
@@ -235,3 +235,17 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
         assert not list((tmp_path / "cache" / "kernels").glob("*/*.so"))
     finally:
         native.load_extension.cache_clear()
+
+
+def test_integer_path_keeps_tiny_and_non_finite_activations() -> None:
+    """16-bit ``x`` (the integer path on AVX512-VNNI): a block of tiny values (below 2^-111, where ``2^e`` would
+    underflow) still counts, and a NaN or Inf anywhere in a row makes that row's outputs NaN, as in float32."""
+    q, scale, zero = make_weight(4, 32, 64, 32, zero=False)
+    w = pack_weight(q, scale, zero, 4)
+    x = torch.full((3, 64), 1e-36).to(torch.bfloat16)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    y = quant_linear(x, w)
+    exact = F.linear(x[:1].double(), reference_weight(q, scale, zero).double())
+    torch.testing.assert_close(y[0].double(), exact[0], rtol=2 ** -7, atol=0)
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()

@@ -284,7 +284,8 @@ void run(const Problem& p, const T* query, const T* cache, T* out) {
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_ids,
                         const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_ids.device().is_cpu() &&
+                  seq_lens.device().is_cpu(), "paged_decode runs on the CPU: every tensor must be a CPU tensor");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [decodes, heads, head_dim], last dim contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, blocks, block_size, kv_heads, head_dim]");

@@ -73,7 +73,14 @@ at::Tensor as_rows(const at::Tensor& x) {
 }
 
 // t in dtype with a contiguous last dimension (itself when it already is: no dispatcher call on the hot path).
+// Whether the ops compute in `dtype` (their vector helpers know float32, bfloat16 and float16 only).
+bool supported(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
 at::Tensor with_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), "every input must be a CPU tensor");
+  TORCH_CHECK(supported(dtype), "x must be float32, bfloat16 or float16");
   at::Tensor r = t.scalar_type() == dtype ? t : t.to(dtype);
   return r.stride(-1) == 1 ? r : r.contiguous();
 }

@@ -9,12 +9,13 @@
 // also sums each group of x); q is widened to float32 and multiplied by x with FMAs, so the result is
 // dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs without AVX-512 use the portable loops
 // (same arithmetic). 16-bit x on CPUs with AVX512-VNNI takes the integer path instead (gemm_block_vnni: x as
-// exact-or-nearly 16-bit integers per block, exact int32 dot products). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
+// exact-or-nearly 16-bit integers per block, exact int32 dot products). Threads: at::parallel_for over row blocks,
+// so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
 // embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
-// has_avx512() -> whether the vector path was compiled in.
+// has_avx512() / has_vnni() -> whether the vector / integer paths were compiled in.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -32,6 +33,9 @@
 #if defined(__AVX512F__)
 #define KILAT_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__)
+#define KILAT_VNNI 1  // the integer path for 16-bit x (split_block, gemm_block_vnni)
+#endif
 #endif
 
 namespace {
@@ -92,8 +96,7 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
 // Activations prepared once per call: xf float32 [M, Kp] (x converted, zero padded); xsum [M, groups] sums of xf
 // per group. With `split` (16-bit x on a CPU with AVX512-VNNI, see gemm_block_vnni) instead of xf: each block of
 // `xblock` columns of a row as v = x / xscale, xscale a power of two with |v| <= 32639, v rounded to an integer
-// (exact unless the element is more than 2^7 below the block's largest; the error is at most 2^-16 of that
-// largest) and split as v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4];
+// (exact for bfloat16 values within 2^6 of the block's largest; the error is at most 1/32639 of that largest) and split as v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4];
 // xscale [M, Kp / xblock]; vsum [M, Kp / xblock] the sums of v (the 8-bit weights' offset of 128).
 struct Activations {
   int64_t m, kp, xblock = 0;
@@ -102,16 +105,19 @@ struct Activations {
   std::vector<int32_t> xh, xl, vsum;
 };
 
-// v = x * 2^-e of one block of n (16 or 32) values as h and l bytes (see Activations); returns 2^e (NaN when x is
-// not finite). v rounds to nearest even, like std::nearbyint.
+// v = x * 2^-e of one block of n (16 or 32) values as h and l bytes (see Activations); returns 2^e, or NaN when the
+// block holds an Inf or NaN (the output is then NaN, as in the float32 path). v rounds to nearest even, like
+// std::nearbyint. 2^e is at least 2^-126 (a block below ~2^-111 keeps fewer bits instead of vanishing).
+#ifdef KILAT_VNNI
 inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_t* vsum) {
   float big = 0.f;
-#ifdef KILAT_AVX512
-  for (int64_t c = 0; c < n; c += 16) big = std::max(big, _mm512_reduce_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c))));
-#else
-  for (int64_t c = 0; c < n; ++c) big = std::max(big, std::fabs(x[c]));
-#endif
-  if (!std::isfinite(big)) {
+  bool finite = true;
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    finite = finite && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) == 0;  // no NaN (max would drop it)
+    big = std::max(big, _mm512_reduce_max_ps(_mm512_abs_ps(v)));
+  }
+  if (!finite || !std::isfinite(big)) {
     std::fill(h, h + n, 0);
     std::fill(l, l + n, 0);
     *vsum = 0;
@@ -119,11 +125,10 @@ inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_
   }
   int e = 0;
   std::frexp(big, &e);  // big < 2^e
-  e -= 15;
+  e = std::max(e - 15, -126);
   if (big * std::ldexp(1.f, -e) > 32639.f) ++e;
   const float inv = std::ldexp(1.f, -e);
-  int32_t sum = 0;
-#ifdef KILAT_AVX512
+  int32_t sum = 0;  // |sum| <= 32 * 32639
   for (int64_t c = 0; c < n; c += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_set1_ps(inv)));
     const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
@@ -131,18 +136,10 @@ inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_
     _mm_storeu_si128(reinterpret_cast<__m128i*>(l + c), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8))));
     sum += _mm512_reduce_add_epi32(v);
   }
-#else
-  for (int64_t c = 0; c < n; ++c) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(x[c] * inv));
-    const int32_t hi = (v + 128) >> 8;
-    h[c] = static_cast<int8_t>(hi);
-    l[c] = static_cast<int8_t>(v - 256 * hi);
-    sum += v;
-  }
-#endif
   *vsum = sum;
   return std::ldexp(1.f, e);
 }
+#endif
 
 Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
   Activations a;
@@ -169,6 +166,7 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
           for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) sum += xm[c];
           a.xsum[m * l.groups + g] = sum;
         }
+#ifdef KILAT_VNNI
         if (!split) continue;
         auto* h = reinterpret_cast<int8_t*>(&a.xh[m * a.kp / 4]);
         auto* lo = reinterpret_cast<int8_t*>(&a.xl[m * a.kp / 4]);
@@ -176,10 +174,11 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
         for (int64_t b = 0; b < blocks; ++b)
           a.xscale[m * blocks + b] = split_block(xm + b * a.xblock, a.xblock, h + b * a.xblock, lo + b * a.xblock,
                                                  &a.vsum[m * blocks + b]);
+#endif
       }
     });
   });
-  if (split) a.xf.clear();
+  if (split) std::vector<float>().swap(a.xf);
   return a;
 }
 
@@ -288,12 +287,11 @@ void gemm_block_avx512(const Activations& a, const uint8_t* qw, const S* sz, con
 }
 #endif
 
-#if defined(__AVX512VNNI__)
-#define KILAT_VNNI 1
+#ifdef KILAT_VNNI
 // 16-bit x (bfloat16/float16) with integer dot products: per block of columns, sum_k u[n, k] v[m, k] exactly in
 // int32 with vpdpbusd (u = q for 4 bits, q + 128 for 8 bits, unsigned; v = 256 h + l from prepare, signed), then
 // converted to float32 and scaled by the block's xscale and the weight's group scale. Only v's rounding (at most
-// 2^-16 of its block's largest |x|) separates it from the float32 path; the result is rounded to 16 bits anyway.
+// 1/32639 of its block's largest |x|) separates it from the float32 path; the result is rounded to 16 bits anyway.
 // One chunk costs ~5 vector instructions instead of ~14 for q -> float32 and 4 FMAs.
 template <int BITS, int MT, typename S>
 void gemm_block_vnni(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,

@@ -13,7 +13,10 @@ import torch
 
 from kilat.model_executor.native import load_extension
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def cpu_layer_ops(x: torch.Tensor) -> Any | None:
-    """``torch.ops.kilat_cpu`` for a CPU tensor ``x`` (built on the first call), else ``None`` (the torch path)."""
-    return load_extension("cpu_layers") if x.is_cpu else None
+    """``torch.ops.kilat_cpu`` for a float32/bfloat16/float16 CPU tensor ``x`` (built on the first call), else
+    ``None`` (the torch path)."""
+    return load_extension("cpu_layers") if x.is_cpu and x.dtype in _DTYPES else None

@@ -10,7 +10,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
     Calls ``process_weights_after_loading()`` on each submodule that defines it (vLLM's convention):
     :class:`~kilat.model_executor.layers.linear.Linear` lets its quantization method pack or quantize,
-    :class:`~kilat.model_executor.layers.layernorm.RMSNorm` caches its doubled weight.
+    :class:`~kilat.model_executor.layers.layernorm.RMSNorm` builds its C++ kernels on CPU (or caches its doubled
+    weight where they are not used).
     """
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)

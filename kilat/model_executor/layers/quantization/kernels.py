@@ -25,7 +25,7 @@ computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output ro
   portable loops otherwise): dequantize-then-matmul in float32 up to float32 rounding.
 - bfloat16/float16 ``x`` with AVX512-VNNI: each block of 16 or 32 values of ``x`` becomes 16-bit integers
   ``v = x / 2^e`` (``2^e`` a power of two fitting the block's largest ``|x|`` into 15 bits; bfloat16 values within
-  ``2^7`` of that largest are exact, smaller ones are off by at most ``2^-15`` of it), split into two int8 halves,
+  ``2^6`` of that largest are exact, smaller ones are off by at most ``1/32639`` of it), split into two int8 halves,
   and ``sum_k q v`` is computed exactly in int32 with ``vpdpbusd`` (64 multiply-adds per instruction instead of 16):
   ~2.5x fewer instructions per weight, the same result as the float32 path up to ~1 rounding of the 16-bit output
   (2% of outputs differ from it by one unit in the last place). llama.cpp's int8 rounding of ``x`` (8 bits per
@@ -222,9 +222,11 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         bias: ``[N]`` or ``None``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``. With the C++ kernels: the float32 product of ``x`` and the float32 weight
-        (float32 accumulation), rounded once to ``x.dtype``. On the torch path ``F.linear(x, dequantize(w,
-        x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds the weight to that dtype.
+        ``[..., N]`` in ``x.dtype``. With the C++ kernels: below :data:`DENSE_MIN_M` rows the float32 path or,
+        for 16-bit ``x`` on AVX512-VNNI, the integer path (both in the module docstring), rounded once to
+        ``x.dtype``; from :data:`DENSE_MIN_M` rows the dense float32 matmul of the dequantized weight. On the
+        torch path ``F.linear(x, dequantize(w, x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds
+        the weight to that dtype.
 
     Raises:
         ValueError: when ``x``'s last dimension is not ``K``.
