@@ -64,10 +64,11 @@ def _norms(hidden: int, dtype: torch.dtype) -> tuple[RMSNorm, LlamaRMSNorm]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rms_norm_matches_hf(ops, dtype: torch.dtype, tokens: int) -> None:
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: the vector loops' masked tail
+def test_rms_norm_matches_hf(ops, dtype: torch.dtype, tokens: int, hidden: int) -> None:
     g = torch.Generator().manual_seed(tokens)
-    x, residual = (torch.randn(tokens, 576, generator=g).to(dtype) for _ in range(2))
-    ours, hf = _norms(576, dtype)
+    x, residual = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
+    ours, hf = _norms(hidden, dtype)
     assert ours.doubled_weight is None  # the LayerNorm formulation is not used next to the C++ op
     _assert_matches(ours(x), hf(x), summed=True)
     out, added = ours(x, residual)
@@ -102,7 +103,7 @@ def _rotary_inputs(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: half a head is not a multiple of 16
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rotary_matches_hf(ops, dtype: torch.dtype, head_dim: int, tokens: int) -> None:
     qk, cos, sin = _rotary_inputs(tokens, head_dim, dtype)
@@ -115,8 +116,9 @@ def test_rotary_matches_hf(ops, dtype: torch.dtype, head_dim: int, tokens: int) 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_silu_and_mul_matches_hf(ops, dtype: torch.dtype, tokens: int) -> None:
-    x = (torch.randn(tokens, 2 * 1536, generator=torch.Generator().manual_seed(tokens)) * 4).to(dtype)
+@pytest.mark.parametrize("intermediate", [1536, 45])  # 45: the masked tail
+def test_silu_and_mul_matches_hf(ops, dtype: torch.dtype, tokens: int, intermediate: int) -> None:
+    x = (torch.randn(tokens, 2 * intermediate, generator=torch.Generator().manual_seed(tokens)) * 4).to(dtype)
     x[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 0.0]).to(dtype)  # exp's range ends: silu -0, ~0, x, 0
     gate, up = x.chunk(2, dim=-1)
     _assert_matches(silu_and_mul(x), F.silu(gate) * up)
