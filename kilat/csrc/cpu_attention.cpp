@@ -334,18 +334,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   return out;
 }
 
-bool has_avx512() {
-#ifdef KILAT_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY(kilat_cpu_attn, m) {
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_ids, Tensor seq_lens, float scale, "
         "int sliding_window) -> Tensor", paged_decode);
-  m.def("has_avx512() -> bool", has_avx512);
 }

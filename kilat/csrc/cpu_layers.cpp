@@ -19,7 +19,6 @@
 //   silu_and_mul(x [..., 2I]) -> [..., I]: out = r(r(silu(g)) * u), g = x[..., :I], u = x[..., I:], silu(g) =
 //     g / (1 + exp(-g)) in float32 (HF's act_fn(gate) * up; exp to about 1 ulp, so float32 may differ from torch's
 //     in the last bit).
-//   has_avx512() -> whether the vector path was compiled in.
 //
 // AVX-512 (F, BW, VL) code paths with portable loops otherwise (same arithmetic; the RMSNorm sum order differs).
 // Threads: at::parallel_for over rows, with a grain that keeps a decode step's few rows on the calling thread.
@@ -326,14 +325,6 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-bool has_avx512() {
-#ifdef KILAT_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY(kilat_cpu, m) {
@@ -341,5 +332,4 @@ TORCH_LIBRARY(kilat_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", add_rms_norm);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", silu_and_mul);
-  m.def("has_avx512() -> bool", has_avx512);
 }

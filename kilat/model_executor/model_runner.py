@@ -91,8 +91,8 @@ class ModelRunner:
         self.kv_caches, self.kv_scales = self._allocate_kv(self.model, self.num_blocks)
         self.draft_kv_caches, self.draft_kv_scales = (None, None) if self.draft_model is None else \
             self._allocate_kv(self.draft_model, self.num_blocks)
-        if self.attn_backend.name == "torch" and self.kv_scales is None:
-            decode_kernels(self.device, None)  # build or load the C++ decode attention now, not on the first request
+        if self.attn_backend.name == "torch":
+            decode_kernels(self.device, self.kv_scales)  # build or load the C++ decode attention now, not on a request
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
