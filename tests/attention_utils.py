@@ -38,22 +38,32 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_l
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
+def paged_contexts(seq_lens: list[int], query_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   block_size: int, generator: torch.Generator
+                   ) -> tuple[torch.Tensor, list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+    """A KV cache over shuffled blocks holding each request's context (every position but its last
+    ``query_lens[r]``, as earlier steps left it); returns ``(kv_cache, tables, full_k, full_v)``, the random keys
+    and values ``[seq_len, num_kv_heads, head_dim]`` of every position of each request."""
+    tables, num_blocks = block_tables(seq_lens, block_size, generator)
+    (kv_cache,) = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=generator).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=generator).to(dtype) for s in seq_lens]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    for table, s, q, k, v in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s - q)],
+                             dtype=torch.int64)
+        flat[0, slots], flat[1, slots] = k[:s - q], v[:s - q]
+    return kv_cache, tables, full_k, full_v
+
+
 def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
                        window: int | None = None, head_dim: int = 16, seed: int = 0, block_size: int = 4,
                        backend: AttentionBackend = TORCH_BACKEND, dtype: torch.dtype = torch.float32) -> None:
     """Fill the cache with each request's context, run one step with ``backend``, compare every request to
     :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16."""
     g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = block_tables(seq_lens, block_size, g)
-    (kv_cache,) = allocate_kv_caches(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
-    full_k = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
-    full_v = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
-    # Context (everything but the new tokens) is already in the cache from earlier steps.
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    for table, s, q, k, v in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
-        for p in range(s - q):
-            slot = table[p // block_size] * block_size + p % block_size
-            flat[0, slot], flat[1, slot] = k[p], v[p]
+    kv_cache, tables, full_k, full_v = paged_contexts(seq_lens, query_lens, num_kv_heads, head_dim, dtype, block_size,
+                                                      g)
     md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
     key = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens, strict=True)])

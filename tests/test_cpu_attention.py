@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kilat.model_executor import native
-from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, paged_attention, torch_ref, write_kv
-from tests.attention_utils import block_tables, naive_attention
+from kilat.model_executor.attention import AttentionMetadata, paged_attention, torch_ref, write_kv
+from tests.attention_utils import naive_attention, paged_contexts
 
 BLOCK_SIZE = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -30,15 +30,8 @@ def decode_step(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim
     through :func:`write_kv`), runs :func:`paged_attention`, returns (out, expected float64-oracle output, metadata,
     and the op's inputs ``query, kv_cache, block_ids, seq_lens``)."""
     g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = block_tables(seq_lens, BLOCK_SIZE, g)
-    (kv_cache,) = allocate_kv_caches(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype, "cpu")
-    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
-    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    for table, k, v in zip(tables, ks, vs, strict=True):
-        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(k) - 1)],
-                             dtype=torch.int64)
-        flat[0, slots], flat[1, slots] = k[:-1], v[:-1]
+    kv_cache, tables, ks, vs = paged_contexts(seq_lens, [1] * len(seq_lens), num_kv_heads, head_dim, dtype, BLOCK_SIZE,
+                                              g)
     md = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE, "cpu")
     # The query as the model passes it: a strided view of a wider projection.
     qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
