@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kilat.bench.client import _chunk_text, send_request
+from kilat.bench.client import BenchRequest, _chunk_text, send_request
 from kilat.bench.metrics import RequestResult, distribution, parse_goodput, summarize
 from kilat.bench.serve import (
     arrival_offsets,
@@ -280,7 +280,7 @@ class _Tokenizer:
 def test_sweep_levels_get_their_own_prompts(dataset, tmp_path, monkeypatch, capsys) -> None:
     """Each level of ``--sweep-concurrency`` draws its prompts with its own seed, so no prompt (and for
     shared-prefix no prefix) of one level reaches the server's prefix cache before another level; a jsonl
-    file's prompts repeat, and the output says so."""
+    file too short for ``--num-prompts`` at every level is split between the levels, and the output says so."""
     from kilat.bench import cli as bench_cli
     from kilat.entrypoints.cli import build_parser
 
@@ -302,15 +302,27 @@ def test_sweep_levels_get_their_own_prompts(dataset, tmp_path, monkeypatch, caps
                                     "--result-json", str(out)])
     ns.func(ns)
     runs = json.loads(out.read_text())["sweep"]
-    assert len(sent) == 3 and all(len(prompts) == 6 for prompts in sent)
+    assert len(sent) == 3 and all(len(prompts) == (2 if dataset == "jsonl" else 6) for prompts in sent)
     levels = [{json.dumps(p) for p in prompts} for prompts in sent]
-    if dataset == "jsonl":
-        assert levels[0] == levels[1] == levels[2]
-        assert [r["prompts_repeat_earlier_level"] for r in runs] == [False, True, True]
-        assert "every level sends the same jsonl prompts" in capsys.readouterr().err
-        return
     assert not (levels[0] & levels[1] or levels[0] & levels[2] or levels[1] & levels[2])
-    assert [r["dataset_seed"] for r in runs] == [0, 1, 2] and not any(r["prompts_repeat_earlier_level"] for r in runs)
+    assert not any(r["prompts_repeat_earlier_level"] for r in runs)
+    if dataset == "jsonl":  # the file's 6 prompts split between the levels, 2 each, in the file's order
+        assert sent == [["prompt 0", "prompt 1"], ["prompt 2", "prompt 3"], ["prompt 4", "prompt 5"]]
+        assert "each of the 3 levels sends its own 2 (not --num-prompts 6)" in capsys.readouterr().err
+        return
+    assert [r["dataset_seed"] for r in runs] == [0, 1, 2]
     if dataset == "shared-prefix":  # the groups share their prefix within a level, never across levels
         prefixes = [{tuple(p[:512]) for p in prompts} for prompts in sent]
         assert [len(p) for p in prefixes] == [2, 2, 2] and not (prefixes[0] & prefixes[1] or prefixes[1] & prefixes[2])
+
+
+def test_jsonl_slice_splits_a_file_between_sweep_levels() -> None:
+    """Disjoint slices of at most ``--num-prompts`` per level; a file with fewer prompts than levels repeats."""
+    from kilat.bench.cli import jsonl_slice
+
+    prompts = [BenchRequest(f"p{i}", 0, 4) for i in range(10)]
+    assert [[r.prompt for r in jsonl_slice(prompts, 3, level, 3)] for level in range(3)] == [
+        ["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6", "p7", "p8"]]
+    assert [r.prompt for r in jsonl_slice(prompts, 8, 1, 2)] == ["p5", "p6", "p7", "p8", "p9"]
+    assert [r.prompt for r in jsonl_slice(prompts[:2], 8, 2, 3)] == ["p0", "p1"]
+    assert [r.prompt for r in jsonl_slice(prompts, 4, 0, 1)] == ["p0", "p1", "p2", "p3"]

@@ -36,7 +36,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-path", default=None,
                         help="the jsonl dataset: one {'prompt': ...} or {'messages': [...]} per line")
     parser.add_argument("--num-prompts", type=int, default=64,
-                        help="requests per run (random, text; the most read from jsonl)")
+                        help="requests per run (random, text; the most read from jsonl, per level of a sweep)")
     parser.add_argument("--random-input-len", type=parse_range, default="32:256",
                         help="random prompt tokens, N or MIN:MAX (uniform)")
     parser.add_argument("--random-output-len", type=parse_range, default="128",
@@ -79,8 +79,10 @@ SEEDED_DATASETS = ("random", "shared-prefix", "text")
 """Datasets drawn from a seed: each level of a sweep gets its own prompts. A jsonl file's prompts repeat."""
 
 
-def dataset_requests(ns: argparse.Namespace, tokenizer: Any, seed: int) -> list[BenchRequest]:
-    """The requests of one run of ``kilat bench serve``, drawn with ``seed`` (ignored by jsonl).
+def dataset_requests(ns: argparse.Namespace, tokenizer: Any, seed: int, level: int = 0,
+                     num_levels: int = 1) -> list[BenchRequest]:
+    """The requests of one run of ``kilat bench serve``, drawn with ``seed``; a jsonl file, which has no seed,
+    gives level ``level`` of a ``num_levels``-level sweep its own slice of the file (:func:`jsonl_slice`).
 
     Raises:
         ValueError: jsonl without ``--dataset-path``, or a malformed file.
@@ -99,7 +101,18 @@ def dataset_requests(ns: argparse.Namespace, tokenizer: Any, seed: int) -> list[
         return text_requests(ns.num_prompts, ns.text_input_lines, ns.output_len, seed)
     if not ns.dataset_path:
         raise ValueError("--dataset-path is required with --dataset-name jsonl")
-    return jsonl_requests(ns.dataset_path, ns.output_len, ns.num_prompts)
+    prompts = jsonl_requests(ns.dataset_path, ns.output_len)
+    return jsonl_slice(prompts, ns.num_prompts, level, num_levels)
+
+
+def jsonl_slice(prompts: list[BenchRequest], num_prompts: int, level: int, num_levels: int) -> list[BenchRequest]:
+    """Level ``level``'s prompts of a file's ``prompts``: disjoint slices of ``min(num_prompts, len(prompts) //
+    num_levels)`` prompts each, so that no level finds another level's prompts in the server's prefix cache; the
+    first ``num_prompts`` at every level when the file has fewer prompts than levels."""
+    per_level = min(num_prompts, len(prompts) // num_levels)
+    if per_level == 0:
+        return prompts[:num_prompts]
+    return prompts[level * per_level:(level + 1) * per_level]
 
 
 def _git_commit() -> str | None:
@@ -120,20 +133,28 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     slos = parse_goodput(ns.goodput)
     model = ns.model or _served_model(ns.base_url, ns.api_key)
     sweep = [int(c) for c in ns.sweep_concurrency.split(",")] if ns.sweep_concurrency else [ns.max_concurrency]
-    repeats = len(sweep) > 1 and ns.dataset_name not in SEEDED_DATASETS
-    if repeats:
-        print(f"note: every level sends the same {ns.dataset_name} prompts, so later levels find them in the "
-              "server's prefix cache: their TTFT is not comparable with the first level's", file=sys.stderr)
+    repeats = False
+    if len(sweep) > 1 and ns.dataset_name == "jsonl":
+        available = len(jsonl_requests(ns.dataset_path, ns.output_len))
+        repeats = available < len(sweep)
+        if repeats:
+            print(f"note: {ns.dataset_path} has {available} prompts for {len(sweep)} levels: every level sends the "
+                  "same prompts, so later levels find them in the server's prefix cache and their TTFT is not "
+                  "comparable with the first level's", file=sys.stderr)
+        elif available < ns.num_prompts * len(sweep):
+            print(f"note: {ns.dataset_path} has {available} prompts: each of the {len(sweep)} levels sends its own "
+                  f"{available // len(sweep)} (not --num-prompts {ns.num_prompts})", file=sys.stderr)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     commit = _git_commit()
     runs = []
     for level, concurrency in enumerate(sweep):
         seed = ns.seed + level
-        requests = dataset_requests(ns, tokenizer, seed)
+        requests = dataset_requests(ns, tokenizer, seed, level, len(sweep))
         config = LoadConfig(ns.base_url, model, ns.endpoint, ns.request_rate, concurrency, ns.ignore_eos, ns.seed,
                             ns.api_key, progress=not ns.no_progress)
         run = benchmark(requests, config, slos, ns.cost_per_hour, tokenizer)
-        run.update(dataset=ns.dataset_name, num_prompts=len(requests), dataset_seed=None if repeats else seed,
+        run.update(dataset=ns.dataset_name, num_prompts=len(requests),
+                   dataset_seed=seed if ns.dataset_name in SEEDED_DATASETS else None,
                    prompts_repeat_earlier_level=repeats and level > 0, date=date, kilat_commit=commit)
         print(f"\n== {ns.dataset_name}, {len(requests)} requests, concurrency {concurrency or 'unlimited'}, "
               f"rate {ns.request_rate} req/s ==")

@@ -63,7 +63,7 @@ def text_requests(num: int, input_lines: int, output_len: int, seed: int) -> lis
     return out
 
 
-def jsonl_requests(path: str | Path, output_len: int, num: int | None = None) -> list[BenchRequest]:
+def jsonl_requests(path: str | Path, output_len: int) -> list[BenchRequest]:
     """Prompts from a JSONL file: one ``{"prompt": str}`` or ``{"messages": [...]}`` per line, with an
     optional ``"max_tokens"`` that overrides ``output_len``.
 
@@ -79,4 +79,4 @@ def jsonl_requests(path: str | Path, output_len: int, num: int | None = None) ->
         if prompt is None:
             raise ValueError(f"{path}:{i + 1}: each line needs 'prompt' or 'messages'")
         out.append(BenchRequest(prompt, 0, int(row.get("max_tokens", output_len))))
-    return out[:num] if num else out
+    return out
