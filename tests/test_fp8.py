@@ -87,14 +87,20 @@ def test_upcast_is_exact_for_every_e4m3_value(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiled_upcast_linear_equals_one_upcast(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU a large weight is upcast and multiplied in tiles of whole rows (here 5 rows, 7 tiles, the last
-    short); the product is the one of the whole upcast weight."""
+    short); the product is the one of the whole upcast weight (in float32 up to the rounding of a sum of 64
+    products: a tile's matmul may block K differently, depending on its shape and the thread count)."""
     g = torch.Generator().manual_seed(2)
     q, _ = quantize_fp8(torch.randn(33, 64, generator=g))
     x = torch.randn(3, 2, 64, generator=g).to(dtype)
     monkeypatch.setattr(fp8, "UPCAST_TILE", 5 * 64)
     y = fp8.upcast_linear(x, q)
     assert y.shape == (3, 2, 33) and y.dtype == dtype
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, q.to(dtype)), atol=1e-5, rtol=1e-5)
+    ref = torch.nn.functional.linear(x, q.to(dtype))
+    if dtype == torch.float32:
+        bound = 64 * torch.finfo(dtype).eps * torch.nn.functional.linear(x.abs(), q.to(dtype).abs())
+        assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+    else:
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("options", "describe"), [

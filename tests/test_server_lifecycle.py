@@ -109,10 +109,11 @@ def _kill_core_mid_stream(server: Server) -> list[str]:
     return lines
 
 
-def _slow_token_gaps(server: Server) -> int:
-    """How many gaps of 0.9 s or more lie between the SSE chunks of a greedy 128-token stream (the first
-    chunk not counted). A frontend that hears of core outputs only at its 1 s poll timeout gets them in
-    bursts, about one such gap per second of the stream; a healthy one none, unless the machine stalls."""
+def _slow_share(server: Server) -> float:
+    """The share of a greedy 128-token stream's time (first SSE chunk to last) spent in gaps of 0.9 s or more
+    between chunks. A frontend that hears of core outputs only at its 1 s poll timeout gets them in bursts
+    about a second apart: nearly all of its stream's time lies in such gaps. A healthy one has none, unless
+    the machine stalls now and then (a few gaps, a small share)."""
     body = {"prompt": "Hello", "max_tokens": 128, "ignore_eos": True, "temperature": 0, "stream": True}
     times = []
     with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=300) as r:
@@ -120,7 +121,8 @@ def _slow_token_gaps(server: Server) -> int:
         for line in r.iter_lines(decode_unicode=True):
             if line.startswith("data: {"):
                 times.append(time.monotonic())
-    return sum(b - a >= 0.9 for a, b in itertools.pairwise(times[1:]))
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return sum(g for g in gaps if g >= 0.9) / sum(gaps)
 
 
 def _wait_health(server: Server, status: int, timeout_s: float) -> None:
@@ -139,7 +141,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
     server = Server(str(model), *SMALL_KV, "--max-engine-core-restarts", "2")
     try:
         first_core = server.engine_core_pid()
-        slow_before = _slow_token_gaps(server)
+        slow_before = _slow_share(server)
         lines = _kill_core_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
         _wait_health(server, 503, 10)
@@ -158,13 +160,13 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert scrape_metrics(server.url)["kilat:engine_core_restarts_total"] == 1
         assert server.engine_core_pid() != first_core
-        # Tokens stream after a restart as before it (compared with the same stream before the kill, with a
-        # gap of slack for a machine that stalls once): when the old client's output socket stayed in the
+        # Tokens stream after a restart as before it (compared with the same stream before the kill, with
+        # slack for a machine that stalls a few times): when the old client's output socket stayed in the
         # event loop under an fd number that the new one reused, core messages waited for the 1 s poll
         # timeout. Whether the number is reused depends on what else opened fds meanwhile, so
         # tests/test_engine_restart.py checks the socket itself.
-        slow_after = _slow_token_gaps(server)
-        assert slow_after <= slow_before + 1, (slow_before, slow_after)
+        slow_after = _slow_share(server)
+        assert slow_after <= slow_before + 0.5, (slow_before, slow_after)
 
         model.unlink()  # the next restart fails to load: restart 2 of 2 is the last
         os.kill(server.engine_core_pid(), signal.SIGKILL)
