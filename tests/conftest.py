@@ -1,9 +1,11 @@
-"""Shared fixtures: the embedded SmolLM2 model and its HF transformers reference outputs."""
+"""Shared fixtures: the embedded SmolLM2 model and its HF transformers reference outputs; kilat's log in caplog."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +17,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from tests.prompts import PROMPTS
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _kilat_log_in_caplog(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``caplog`` sees the ``kilat`` logger whether or not ``init_logger`` has run (which stops it propagating to the
+    root logger, where caplog listens): its handler goes on the ``kilat`` logger, which does not propagate meanwhile."""
+    logger = logging.getLogger("kilat")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    yield
+    logger.removeHandler(caplog.handler)
 NUM_NEW_TOKENS = 64
 
 

@@ -7,7 +7,7 @@ unit roundoff ``2^-24`` each: ``f32 = (K + 4) 2^-24 absdot``. The C++ kernels an
 compute in float32 from the exact weight and round once to ``x``'s dtype (unit roundoff ``u``: 0 for float32,
 ``2^-8`` bfloat16, ``2^-11`` float16): ``|err| <= f32 + u (|y| + f32)``. The torch path for bfloat16/float16 ``x``
 first rounds the weight to that dtype (``u absdot``) and then the output (rounded by at most ``u (|y| + u absdot +
-f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI the C++ kernels take the integer path: each block of
+f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI or AVX2 the C++ kernels take the integer path: each block of
 ``x`` becomes integers ``v = x / 2^e`` rounded by at most ``max|x| / 32639`` of the block, then exact integer dot
 products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding.
 """
@@ -132,7 +132,8 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
         bound = bound + bias.double().abs()
     f32, u = (k + 4) * 2.0 ** -24 * bound, UNIT_ROUNDOFF[dtype]
     if backend == "native" or dtype == torch.float32:
-        if backend == "native" and dtype != torch.float32 and kernels.native_ops().has_vnni():
+        ops = kernels.native_ops() if backend == "native" else None
+        if ops is not None and dtype != torch.float32 and (ops.has_vnni() or ops.has_avx2()):  # the integer path
             f32 = f32 + x.double().abs().amax(-1, keepdim=True) * abs_dot(torch.ones(1, k), q, scale, None) / 32639
         tol = f32 + u * (exact.abs() + f32)
     else:
@@ -208,7 +209,9 @@ def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.delenv(native.QUANT_GEMM.env)
         native.load_extension.cache_clear()
         ops = native.load_extension("quant_gemm")
-        assert ops is not None and ops.has_avx512() == ("avx512f" in native._cpu_flags().split())
+        flags = set(native._cpu_flags().split())
+        assert ops is not None and ops.has_avx512() == ("avx512f" in flags)
+        assert ops.has_avx2() == ({"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags)
     finally:
         native.load_extension.cache_clear()
 
@@ -238,7 +241,7 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
 
 
 def test_integer_path_keeps_tiny_and_non_finite_activations() -> None:
-    """16-bit ``x`` (the integer path on AVX512-VNNI): a block of tiny values (below 2^-111, where ``2^e`` would
+    """16-bit ``x`` (the integer path on AVX512-VNNI or AVX2): a block of tiny values (below 2^-111, where ``2^e`` would
     underflow) still counts, and a NaN or Inf anywhere in a row makes that row's outputs NaN, as in float32."""
     q, scale, zero = make_weight(4, 32, 64, 32, zero=False)
     w = pack_weight(q, scale, zero, 4)

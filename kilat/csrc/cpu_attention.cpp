@@ -6,8 +6,9 @@
 // and value row is read (and converted to float32) once per item. Keys go in tiles of kTile with an online softmax
 // (FlashAttention-2, Dao 2023): scores, softmax and the weighted V sum in float32, the output rounded once to the
 // query dtype. When there are fewer items than threads and the context is long, an item's keys are split across
-// threads (flash-decoding) and the partial results merged by their log-sum-exp. AVX-512 for the row conversions,
-// dot products and V sums where compiled in, portable loops otherwise (same arithmetic up to summation order).
+// threads (flash-decoding) and the partial results merged by their log-sum-exp. AVX-512 (or AVX2 with FMA and F16C)
+// for the row conversions, dot products, exponentials and V sums where compiled in, portable loops otherwise (same
+// arithmetic up to summation order and the exponential's last bit).
 //
 // Op (namespace kilat_cpu_attn): paged_decode(query [D, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
 // block_ids int64 [D * nb], seq_lens int64 [D], scale, sliding_window) -> [D, H, hd] in the query dtype.
@@ -31,6 +32,9 @@
 #if defined(__AVX512F__)
 #define KILAT_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILAT_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -50,13 +54,33 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
+#ifdef KILAT_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 // dst[0:n] = float(src[0:n])
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
-#ifdef KILAT_AVX512
+#if defined(KILAT_AVX512)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#elif defined(KILAT_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -68,6 +92,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(KILAT_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  sum = hsum8(acc);
 #endif
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
@@ -79,6 +107,9 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
 #ifdef KILAT_AVX512
   const __m512 av = _mm512_set1_ps(a);
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(KILAT_AVX2)
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += a * x[i];
 }
@@ -89,6 +120,9 @@ inline void scale(float c, float* y, int64_t n) {
 #ifdef KILAT_AVX512
   const __m512 cv = _mm512_set1_ps(c);
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(cv, _mm512_loadu_ps(y + i)));
+#elif defined(KILAT_AVX2)
+  const __m256 cv = _mm256_set1_ps(c);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(cv, _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] *= c;
 }
@@ -101,6 +135,12 @@ inline void weighted_sum(const float* p, const float* v, int64_t n, int64_t dim,
     __m512 a = _mm512_loadu_ps(acc + i);
     for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * dim + i), a);
     _mm512_storeu_ps(acc + i, a);
+  }
+#elif defined(KILAT_AVX2)
+  for (; i + 8 <= dim; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), a);
+    _mm256_storeu_ps(acc + i, a);
   }
 #endif
   for (; i < dim; ++i)
@@ -123,6 +163,22 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, k);
 }
 #endif
+#ifdef KILAT_AVX2
+// exp16 on 8 lanes; 2^k built in the exponent field, so x near -88 (k = -127) gives 0 instead of 2^-127-ish.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
+}
+#endif
 
 // One online-softmax step over n <= 16 scores s: m becomes max(m, s), s becomes e^(s - m) (the weights), l becomes
 // l e^(m_old - m) + sum of the weights; returns e^(m_old - m), the factor for the output so far.
@@ -136,6 +192,22 @@ inline float softmax_step(float* s, int64_t n, float& m, float& l) {
   const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
   _mm512_mask_storeu_ps(s, live, w);
   sum = _mm512_reduce_add_ps(w);
+#elif defined(KILAT_AVX2)
+  alignas(32) float t[16];
+  for (int64_t j = 0; j < 16; ++j) t[j] = j < n ? s[j] : -std::numeric_limits<float>::infinity();
+  m = std::max(m, hmax8(_mm256_max_ps(_mm256_load_ps(t), _mm256_load_ps(t + 8))));
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sums = _mm256_setzero_ps();
+  for (int64_t h = 0; h < 16; h += 8) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(h))),
+                                      _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+    const __m256 w = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_load_ps(t + h), mv)));
+    _mm256_store_ps(t + h, w);
+    sums = _mm256_add_ps(sums, w);
+  }
+  for (int64_t j = 0; j < n; ++j) s[j] = t[j];
+  sum = hsum8(sums);
 #else
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));

@@ -20,7 +20,9 @@
 //     g / (1 + exp(-g)) in float32 (HF's act_fn(gate) * up; exp to about 1 ulp, so float32 may differ from torch's
 //     in the last bit).
 //
-// AVX-512 (F, BW, VL) code paths with portable loops otherwise (same arithmetic; the RMSNorm sum order differs).
+// AVX-512 (F, BW, VL) code paths, AVX2 (with FMA and F16C) ones for rows whose length is a multiple of 8 (their
+// RMSNorm sum in the AVX-512 path's 16 lanes and tree order), portable loops otherwise (same arithmetic, the RMSNorm
+// sum in the same order, only the SiLU's exp differing in its last bit).
 // Threads: at::parallel_for over rows, with a grain that keeps a decode step's few rows on the calling thread.
 
 #include <ATen/ATen.h>
@@ -39,6 +41,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KILAT_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILAT_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -150,6 +155,82 @@ inline __m512 vexp(__m512 x) {
 }
 #endif
 
+#ifdef KILAT_AVX2
+// ------------------------------------------------------------------------------------------ AVX2 lane helpers
+template <typename T>
+inline __m256 vload8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// float32 -> bfloat16 bits in the low half of each 32-bit lane, to nearest even, NaN -> 0x7FC0 (c10's conversion).
+inline __m256i bf16_lanes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+template <typename T>
+inline void vstore8(T* p, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i r = bf16_lanes(v);  // packus works per 128-bit lane: [0-3 0-3 | 4-7 4-7], then 0-3 4-7 in front
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <typename T>
+inline __m256 vrnd8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_lanes(v), 16));
+  else
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// vexp on 8 lanes; 2^n (n in [-150, 129]) as 2^a 2^b, each a normal float, so the product rounds once, as scalef.
+inline __m256 vexp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i a = _mm256_srai_epi32(ni, 1), b = _mm256_sub_epi32(ni, a);
+  const __m256 pa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(127)), 23));
+  const __m256 pb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, pa), pb);
+}
+
+// The 16 lanes lo (0-7) and hi (8-15) summed as _mm512_reduce_add_ps sums them: j += j + 8, + 4, + 2, + 1.
+inline float tree_sum16(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------------ RMSNorm
 // One row: s = r(x + residual) (stored to s_out) when residual is given, else s = x; out = r(r(s * inv) * w).
 template <typename T>
@@ -173,6 +254,25 @@ void rms_norm_row(const T* x, const T* residual, const T* w, T* out, T* s_out, i
     vstore(out + i, vrnd<T>(_mm512_mul_ps(vrnd<T>(_mm512_mul_ps(vload(src + i, m), vinv)), vload(w + i, m))), m);
   }
 #else
+#ifdef KILAT_AVX2
+  if (h % 8 == 0) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of the AVX-512 path's sum
+    for (int64_t i = 0; i < h; i += 8) {
+      __m256 s = vload8(x + i);
+      if (residual != nullptr) {
+        s = vrnd8<T>(_mm256_add_ps(s, vload8(residual + i)));
+        vstore8(s_out + i, s);
+      }
+      acc[(i / 8) % 2] = _mm256_add_ps(acc[(i / 8) % 2], _mm256_mul_ps(s, s));
+    }
+    const float inv = 1.f / std::sqrt(tree_sum16(acc[0], acc[1]) / static_cast<float>(h) + eps);
+    const T* src = residual != nullptr ? s_out : x;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < h; i += 8)
+      vstore8(out + i, vrnd8<T>(_mm256_mul_ps(vrnd8<T>(_mm256_mul_ps(vload8(src + i), vinv)), vload8(w + i))));
+    return;
+  }
+#endif
   float acc[16] = {};  // 16 lanes summed as the vector path sums them, then folded in its tree order
   for (int64_t i = 0; i < h; ++i) {
     float s = static_cast<float>(x[i]);
@@ -247,6 +347,18 @@ void rotary_head(const T* x, const T* c, const T* s, T* out, int64_t d) {
                                               vrnd<T>(_mm512_mul_ps(lo, vload(s + h + i, m))))), m);
   }
 #else
+#ifdef KILAT_AVX2
+  if (h % 8 == 0) {
+    for (int64_t i = 0; i < h; i += 8) {
+      const __m256 lo = vload8(x + i), hi = vload8(x + h + i);
+      vstore8(out + i, vrnd8<T>(_mm256_add_ps(vrnd8<T>(_mm256_mul_ps(lo, vload8(c + i))),
+                                              vrnd8<T>(_mm256_mul_ps(hi, vload8(s + i))))));
+      vstore8(out + h + i, vrnd8<T>(_mm256_add_ps(vrnd8<T>(_mm256_mul_ps(hi, vload8(c + h + i))),
+                                                  vrnd8<T>(_mm256_mul_ps(lo, vload8(s + h + i))))));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < d; ++i) {
     const float a = rnd<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
     const float b = rnd<T>(static_cast<float>(x[(i + h) % d]) * static_cast<float>(s[i]));
@@ -298,6 +410,17 @@ void silu_and_mul_row(const T* g, const T* u, T* out, int64_t n) {
     vstore(out + i, vrnd<T>(_mm512_mul_ps(vrnd<T>(silu), vload(u + i, m))), m);
   }
 #else
+#ifdef KILAT_AVX2
+  if (n % 8 == 0) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 gv = vload8(g + i);
+      const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, vexp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      vstore8(out + i, vrnd8<T>(_mm256_mul_ps(vrnd8<T>(silu), vload8(u + i))));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) {
     const float gv = static_cast<float>(g[i]);
     out[i] = static_cast<T>(rnd<T>(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));

@@ -7,15 +7,16 @@
 //
 // x of any dtype (float32, bfloat16, float16) is converted to float32 once per call (the row preparation, which
 // also sums each group of x); q is widened to float32 and multiplied by x with FMAs, so the result is
-// dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs without AVX-512 use the portable loops
-// (same arithmetic). 16-bit x on CPUs with AVX512-VNNI takes the integer path instead (gemm_block_vnni: x as
-// exact-or-nearly 16-bit integers per block, exact int32 dot products). Threads: at::parallel_for over row blocks,
-// so torch's intra-op thread count.
+// dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs with AVX2 and FMA but no AVX-512 run the
+// same loops on 256-bit vectors (two per row block); others use the portable loops (same arithmetic). 16-bit x on
+// CPUs with AVX512-VNNI or AVX2 takes an integer path instead (x as exact-or-nearly 16-bit integers per block, exact
+// int32 dot products: gemm_block_vnni with vpdpbusd, gemm_block_i16 with vpmaddwd; both give the same integers, so
+// the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
 // embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
-// has_avx512() / has_vnni() -> whether the vector / integer paths were compiled in.
+// has_avx512() / has_vnni() / has_avx2() -> whether those paths were compiled in.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -36,6 +38,12 @@
 #if defined(__AVX512VNNI__)
 #define KILAT_VNNI 1  // the integer path for 16-bit x (split_block, gemm_block_vnni)
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KILAT_AVX2 1  // 256-bit paths: float32 FMAs, and the integer path for 16-bit x with vpmaddwd (gemm_block_i16)
+#include <immintrin.h>
+#endif
+#if defined(KILAT_VNNI) || defined(KILAT_AVX2)
+#define KILAT_INT_PATH 1  // 16-bit x takes an integer path
 #endif
 
 namespace {
@@ -94,15 +102,17 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
 }
 
 // Activations prepared once per call: xf float32 [M, Kp] (x converted, zero padded); xsum [M, groups] sums of xf
-// per group. With `split` (16-bit x on a CPU with AVX512-VNNI, see gemm_block_vnni) instead of xf: each block of
-// `xblock` columns of a row as v = x / xscale, xscale a power of two with |v| <= 32639, v rounded to an integer
-// (exact for bfloat16 values within 2^6 of the block's largest; the error is at most 1/32639 of that largest) and split as v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4];
+// per group. With `split` (16-bit x on a CPU with an integer path) instead of xf: each block of `xblock` columns of a
+// row as v = x / xscale, xscale a power of two with |v| <= 32639, v rounded to an integer (exact for bfloat16 values
+// within 2^6 of the block's largest; the error is at most 1/32639 of that largest); with AVX512-VNNI split as
+// v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4]; with AVX2 as int16 xv [M, Kp];
 // xscale [M, Kp / xblock]; vsum [M, Kp / xblock] the sums of v (the 8-bit weights' offset of 128).
 struct Activations {
   int64_t m, kp, xblock = 0;
   bool split = false;
   std::vector<float> xf, xsum, xscale;
   std::vector<int32_t> xh, xl, vsum;
+  std::vector<int16_t> xv;
 };
 
 // v = x * 2^-e of one block of n (16 or 32) values as h and l bytes (see Activations); returns 2^e, or NaN when the
@@ -141,6 +151,36 @@ inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_
 }
 #endif
 
+#ifdef KILAT_AVX2
+// split_block's v as int16 (no h/l split): the same scale, the same rounding (nearest even), so the same integers.
+inline float v16_block(const float* x, int64_t n, int16_t* v16, int32_t* vsum) {
+  float big = 0.f;
+  bool finite = true;
+  for (int64_t c = 0; c < n; ++c) {
+    finite = finite && !std::isnan(x[c]);
+    big = std::max(big, std::fabs(x[c]));
+  }
+  if (!finite || !std::isfinite(big)) {
+    std::fill(v16, v16 + n, 0);
+    *vsum = 0;
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  int e = 0;
+  std::frexp(big, &e);  // big < 2^e
+  e = std::max(e - 15, -126);
+  if (big * std::ldexp(1.f, -e) > 32639.f) ++e;
+  const float inv = std::ldexp(1.f, -e);
+  int32_t sum = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const auto v = static_cast<int32_t>(std::nearbyint(x[c] * inv));
+    v16[c] = static_cast<int16_t>(v);
+    sum += v;
+  }
+  *vsum = sum;
+  return std::ldexp(1.f, e);
+}
+#endif
+
 Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
   Activations a;
   a.m = x.size(0);
@@ -150,8 +190,12 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
   a.xsum.assign(a.m * l.groups, 0.f);
   if (split) {
     a.xblock = l.span % 32 == 0 ? 32 : 16;
+#ifdef KILAT_VNNI
     a.xh.assign(a.m * a.kp / 4, 0);
     a.xl.assign(a.m * a.kp / 4, 0);
+#else
+    a.xv.assign(a.m * a.kp, 0);
+#endif
     a.xscale.assign(a.m * a.kp / a.xblock, 0.f);
     a.vsum.assign(a.m * a.kp / a.xblock, 0);
   }
@@ -166,14 +210,18 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
           for (int64_t c = g * l.span; c < (g + 1) * l.span; ++c) sum += xm[c];
           a.xsum[m * l.groups + g] = sum;
         }
-#ifdef KILAT_VNNI
         if (!split) continue;
+        const int64_t blocks = a.kp / a.xblock;
+#if defined(KILAT_VNNI)
         auto* h = reinterpret_cast<int8_t*>(&a.xh[m * a.kp / 4]);
         auto* lo = reinterpret_cast<int8_t*>(&a.xl[m * a.kp / 4]);
-        const int64_t blocks = a.kp / a.xblock;
         for (int64_t b = 0; b < blocks; ++b)
           a.xscale[m * blocks + b] = split_block(xm + b * a.xblock, a.xblock, h + b * a.xblock, lo + b * a.xblock,
                                                  &a.vsum[m * blocks + b]);
+#elif defined(KILAT_AVX2)
+        for (int64_t b = 0; b < blocks; ++b)
+          a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, &a.xv[m * a.kp + b * a.xblock],
+                                               &a.vsum[m * blocks + b]);
 #endif
       }
     });
@@ -354,10 +402,179 @@ void gemm_block_split(const Activations& a, const uint8_t* qw, const S* sz, cons
 }
 #endif
 
+#ifdef KILAT_AVX2
+// ---------------------------------------------------------------------------------------------------- AVX2 paths
+// A row block as two 256-bit halves, h = 0 for rows 0-7 and h = 1 for rows 8-15, one row per 32-bit lane.
+template <typename S>
+inline __m256 load8(const S* s) {
+  if constexpr (sizeof(S) == 2)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  else
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(s));
+}
+
+template <typename S>
+inline void load_scales8(const S* sz, const Layout& l, int64_t blk, int64_t g, __m256 sv[2], __m256 zv[2]) {
+  const S* s = sz + (blk * l.groups + g) * l.planes * kRows;
+  for (int h = 0; h < 2; ++h) {
+    sv[h] = load8(s + 8 * h);
+    zv[h] = l.planes == 2 ? load8(s + kRows + 8 * h) : _mm256_setzero_ps();
+  }
+}
+
+// A chunk's halves, 4 bytes (columns) per lane: q for 4 bits, q as int8 for 8 bits.
+template <int BITS>
+inline void load_halves(const uint8_t* wp, __m256i w[2]) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    w[0] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    w[0] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)), flip);
+    w[1] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)), flip);
+  }
+}
+
+// Column j of a half as float32.
+template <int BITS>
+inline __m256 column(__m256i w, int j) {
+  if constexpr (BITS == 4)
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8 * j), _mm256_set1_epi32(0xFF)));
+  else
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * j), 24));
+}
+
+// gemm_block_fp32 on two halves: the same partial sums and operations per row, so the same results.
+template <int BITS, int MT, typename S>
+void gemm_block_fp32_avx2(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l,
+                          int64_t blk, float* y) {
+  constexpr int A = MT >= kCols ? 1 : kCols / MT;
+  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
+  const int64_t chunks_per_group = l.span / kCols;
+  __m256 acc[MT][2];
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < l.groups; ++g) {
+    __m256 sv[2], zv[2];
+    load_scales8(sz, l, blk, g, sv, zv);
+    __m256 dot[MT][A][2];
+    for (int i = 0; i < MT; ++i)
+      for (int s = 0; s < A; ++s) dot[i][s][0] = dot[i][s][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i w[2];
+      load_halves<BITS>(wp, w);
+      const int64_t col = g * l.span + c * kCols;
+      for (int j = 0; j < kCols; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256 wf = column<BITS>(w[h], j);
+          for (int i = 0; i < MT; ++i)
+            dot[i][j % A][h] = _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
+        }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < 2; ++h) {
+        for (int s = 1; s < A; ++s) dot[i][0][h] = _mm256_add_ps(dot[i][0][h], dot[i][s][h]);
+        acc[i][h] = _mm256_fmadd_ps(dot[i][0][h], sv[h], acc[i][h]);
+        acc[i][h] = _mm256_fmadd_ps(zv[h], _mm256_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i][h]);
+      }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * kRows + 8 * h, acc[i][h]);
+}
+
+template <int BITS, typename S>
+void gemm_block_avx2(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk, float* y) {
+  int64_t m0 = 0;  // 2 rows per pass: AVX2 has 16 vector registers
+  for (; m0 + 2 <= a.m; m0 += 2) gemm_block_fp32_avx2<BITS, 2, S>(a, m0, qw, sz, l, blk, y);
+  if (m0 < a.m) gemm_block_fp32_avx2<BITS, 1, S>(a, m0, qw, sz, l, blk, y);
+}
+
+// A chunk as four int16 vectors, q[i] = rows 4i .. 4i+3 x 4 columns (q; q as signed for 8 bits).
+template <int BITS>
+inline void load_i16(const uint8_t* wp, __m256i q[4]) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    q[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+    q[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+    q[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+    q[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+  } else {
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi8_epi16(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * i)), flip));
+  }
+}
+
+// The row sums of four accumulators p[i] = [row 4i: columns 0+1, 2+3, row 4i+1: ..., row 4i+3: ...] as rows 0-7 and
+// rows 8-15 (hadd pairs them as rows 0 1 4 5 | 2 3 6 7; the 64-bit permute restores the order).
+inline void row_sums(const __m256i p[4], __m256i& lo, __m256i& hi) {
+  lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(p[0], p[1]), _MM_SHUFFLE(3, 1, 2, 0));
+  hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(p[2], p[3]), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// 16-bit x with vpmaddwd: sum_k q[n, k] v[m, k] exactly in int32 (|q| <= 128, |v| <= 32639: a block of 32 columns sums
+// to less than 2^27), then as gemm_block_vnni: converted to float32, scaled by xscale and the group scale. The same
+// integers and float operations as gemm_block_vnni, so the same outputs.
+template <int BITS, int MT, typename S>
+void gemm_block_i16(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+                    float* y) {
+  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
+  const int64_t chunks_per_block = a.xblock / kCols, blocks_per_group = l.span / a.xblock;
+  const int64_t xblocks = a.kp / a.xblock;
+  __m256 acc[MT][2];
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  int64_t chunk = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    __m256 sv[2], zv[2];
+    load_scales8(sz, l, blk, g, sv, zv);
+    for (int64_t b = 0; b < blocks_per_group; ++b) {
+      const int64_t xb = g * blocks_per_group + b;
+      __m256i p[MT][4];
+      for (int i = 0; i < MT; ++i)
+        for (int r = 0; r < 4; ++r) p[i][r] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks_per_block; ++c, ++chunk, wp += l.chunk_bytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+        __m256i q[4];
+        load_i16<BITS>(wp, q);
+        for (int i = 0; i < MT; ++i) {
+          int64_t four;  // v of the chunk's 4 columns, broadcast
+          std::memcpy(&four, &a.xv[(m0 + i) * a.kp + chunk * kCols], sizeof(four));
+          const __m256i v = _mm256_set1_epi64x(four);
+          for (int r = 0; r < 4; ++r) p[i][r] = _mm256_add_epi32(p[i][r], _mm256_madd_epi16(q[r], v));
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        __m256i dot[2];
+        row_sums(p[i], dot[0], dot[1]);
+        const __m256 xs = _mm256_set1_ps(a.xscale[(m0 + i) * xblocks + xb]);
+        for (int h = 0; h < 2; ++h)
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(sv[h], xs), acc[i][h]);
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < 2; ++h)
+        acc[i][h] = _mm256_fmadd_ps(zv[h], _mm256_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i][h]);
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * kRows + 8 * h, acc[i][h]);
+}
+
+template <int BITS, typename S>
+void gemm_block_int_avx2(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+                         float* y) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= a.m; m0 += 2) gemm_block_i16<BITS, 2, S>(a, m0, qw, sz, l, blk, y);
+  if (m0 < a.m) gemm_block_i16<BITS, 1, S>(a, m0, qw, sz, l, blk, y);
+}
+#endif
+
 template <typename S>
 void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const Layout& l,
               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-#ifdef KILAT_VNNI
+#ifdef KILAT_INT_PATH
   const bool split = x.scalar_type() != at::kFloat;
 #else
   const bool split = false;
@@ -380,6 +597,11 @@ void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
 #elif defined(KILAT_AVX512)
       if (l.bits == 4) gemm_block_avx512<4, S>(a, qw, sz, l, blk, yb.data());
       else gemm_block_avx512<8, S>(a, qw, sz, l, blk, yb.data());
+#elif defined(KILAT_AVX2)
+      if (split && l.bits == 4) gemm_block_int_avx2<4, S>(a, qw, sz, l, blk, yb.data());
+      else if (split) gemm_block_int_avx2<8, S>(a, qw, sz, l, blk, yb.data());
+      else if (l.bits == 4) gemm_block_avx2<4, S>(a, qw, sz, l, blk, yb.data());
+      else gemm_block_avx2<8, S>(a, qw, sz, l, blk, yb.data());
 #else
       gemm_block_ref<S>(a, qw, sz, l, blk, yb.data());
 #endif
@@ -433,6 +655,20 @@ void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
             // q * s + z rounded twice, as torch computes it (no FMA)
             _mm512_storeu_ps(tile[ch * kCols + j], _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), sv), zv));
           }
+        }
+#elif defined(KILAT_AVX2)
+        __m256 sv[2], zv[2];
+        load_scales8(sz, l, blk, g, sv, zv);
+        for (int64_t ch = 0; ch < 4; ++ch) {
+          __m256i w[2];
+          const uint8_t* wp = bq + (c0 / kCols + ch) * l.chunk_bytes;
+          if (l.bits == 4) load_halves<4>(wp, w);
+          else load_halves<8>(wp, w);
+          for (int j = 0; j < kCols; ++j)
+            for (int h = 0; h < 2; ++h) {  // q * s + z rounded twice, as torch computes it (no FMA)
+              const __m256 qf = l.bits == 4 ? column<4>(w[h], j) : column<8>(w[h], j);
+              _mm256_storeu_ps(tile[ch * kCols + j] + 8 * h, _mm256_add_ps(_mm256_mul_ps(qf, sv[h]), zv[h]));
+            }
         }
 #else
         for (int j = 0; j < 16; ++j)
@@ -515,6 +751,14 @@ bool has_vnni() {
 #endif
 }
 
+bool has_avx2() {
+#ifdef KILAT_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_avx512() {
 #ifdef KILAT_AVX512
   return true;
@@ -534,4 +778,5 @@ TORCH_LIBRARY(kilat_quant, m) {
         "-> Tensor", embedding);
   m.def("has_avx512() -> bool", has_avx512);
   m.def("has_vnni() -> bool", has_vnni);
+  m.def("has_avx2() -> bool", has_avx2);
 }
