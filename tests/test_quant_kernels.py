@@ -7,9 +7,9 @@ unit roundoff ``2^-24`` each: ``f32 = (K + 4) 2^-24 absdot``. The C++ kernels an
 compute in float32 from the exact weight and round once to ``x``'s dtype (unit roundoff ``u``: 0 for float32,
 ``2^-8`` bfloat16, ``2^-11`` float16): ``|err| <= f32 + u (|y| + f32)``. The torch path for bfloat16/float16 ``x``
 first rounds the weight to that dtype (``u absdot``) and then the output (rounded by at most ``u (|y| + u absdot +
-f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI or AVX2 the C++ kernels take the integer path: each block of
-``x`` becomes integers ``v = x / 2^e`` rounded by at most ``max|x| / 32639`` of the block, then exact integer dot
-products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding.
+f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI or AVX2 the C++ kernels take the integer path: each
+block of ``x`` becomes integers ``v = x / 2^e`` rounded by at most ``max|x| / 32639`` of the block, then exact integer
+dot products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding.
 """
 
 from __future__ import annotations
