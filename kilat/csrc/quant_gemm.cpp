@@ -106,7 +106,7 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
 // row as v = x / xscale, xscale a power of two with |v| <= 32639, v rounded to an integer (exact for bfloat16 values
 // within 2^6 of the block's largest; the error is at most 1/32639 of that largest); with AVX512-VNNI split as
 // v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4]; with AVX2 as int16 xv [M, Kp];
-// xscale [M, Kp / xblock]; vsum [M, Kp / xblock] the sums of v (the 8-bit weights' offset of 128).
+// xscale [M, Kp / xblock]; with AVX512-VNNI vsum [M, Kp / xblock] the sums of v (the 8-bit weights' offset of 128).
 struct Activations {
   int64_t m, kp, xblock = 0;
   bool split = false;
@@ -115,9 +115,19 @@ struct Activations {
   std::vector<int16_t> xv;
 };
 
+// The exponent e of a block whose largest |x| is `big` (finite): the smallest with big * 2^-e <= 32639, at least -126
+// (a block below ~2^-111 keeps fewer bits instead of vanishing). One place for both integer paths' scale.
+inline int block_exponent(float big) {
+  int e = 0;
+  std::frexp(big, &e);  // big < 2^e
+  e = std::max(e - 15, -126);
+  if (big * std::ldexp(1.f, -e) > 32639.f) ++e;
+  return e;
+}
+
 // v = x * 2^-e of one block of n (16 or 32) values as h and l bytes (see Activations); returns 2^e, or NaN when the
 // block holds an Inf or NaN (the output is then NaN, as in the float32 path). v rounds to nearest even, like
-// std::nearbyint. 2^e is at least 2^-126 (a block below ~2^-111 keeps fewer bits instead of vanishing).
+// std::nearbyint.
 #ifdef KILAT_VNNI
 inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_t* vsum) {
   float big = 0.f;
@@ -133,10 +143,7 @@ inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_
     *vsum = 0;
     return std::numeric_limits<float>::quiet_NaN();
   }
-  int e = 0;
-  std::frexp(big, &e);  // big < 2^e
-  e = std::max(e - 15, -126);
-  if (big * std::ldexp(1.f, -e) > 32639.f) ++e;
+  const int e = block_exponent(big);
   const float inv = std::ldexp(1.f, -e);
   int32_t sum = 0;  // |sum| <= 32 * 32639
   for (int64_t c = 0; c < n; c += 16) {
@@ -153,7 +160,8 @@ inline float split_block(const float* x, int64_t n, int8_t* h, int8_t* l, int32_
 
 #ifdef KILAT_AVX2
 // split_block's v as int16 (no h/l split): the same scale, the same rounding (nearest even), so the same integers.
-inline float v16_block(const float* x, int64_t n, int16_t* v16, int32_t* vsum) {
+// No sum of v: the AVX2 path multiplies signed 8-bit q directly, without split_block's offset of 128.
+inline float v16_block(const float* x, int64_t n, int16_t* v16) {
   float big = 0.f;
   bool finite = true;
   for (int64_t c = 0; c < n; ++c) {
@@ -162,21 +170,11 @@ inline float v16_block(const float* x, int64_t n, int16_t* v16, int32_t* vsum) {
   }
   if (!finite || !std::isfinite(big)) {
     std::fill(v16, v16 + n, 0);
-    *vsum = 0;
     return std::numeric_limits<float>::quiet_NaN();
   }
-  int e = 0;
-  std::frexp(big, &e);  // big < 2^e
-  e = std::max(e - 15, -126);
-  if (big * std::ldexp(1.f, -e) > 32639.f) ++e;
+  const int e = block_exponent(big);
   const float inv = std::ldexp(1.f, -e);
-  int32_t sum = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    const auto v = static_cast<int32_t>(std::nearbyint(x[c] * inv));
-    v16[c] = static_cast<int16_t>(v);
-    sum += v;
-  }
-  *vsum = sum;
+  for (int64_t c = 0; c < n; ++c) v16[c] = static_cast<int16_t>(std::nearbyint(x[c] * inv));
   return std::ldexp(1.f, e);
 }
 #endif
@@ -190,14 +188,14 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
   a.xsum.assign(a.m * l.groups, 0.f);
   if (split) {
     a.xblock = l.span % 32 == 0 ? 32 : 16;
+    a.xscale.assign(a.m * a.kp / a.xblock, 0.f);
 #ifdef KILAT_VNNI
     a.xh.assign(a.m * a.kp / 4, 0);
     a.xl.assign(a.m * a.kp / 4, 0);
+    a.vsum.assign(a.m * a.kp / a.xblock, 0);
 #else
     a.xv.assign(a.m * a.kp, 0);
 #endif
-    a.xscale.assign(a.m * a.kp / a.xblock, 0.f);
-    a.vsum.assign(a.m * a.kp / a.xblock, 0);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "prepare", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
@@ -220,8 +218,7 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
                                                  &a.vsum[m * blocks + b]);
 #elif defined(KILAT_AVX2)
         for (int64_t b = 0; b < blocks; ++b)
-          a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, &a.xv[m * a.kp + b * a.xblock],
-                                               &a.vsum[m * blocks + b]);
+          a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, &a.xv[m * a.kp + b * a.xblock]);
 #endif
       }
     });
