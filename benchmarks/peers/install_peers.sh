@@ -23,17 +23,22 @@ install_vllm() {
 install_llama() {
   if [ -x "$PEERS_DIR/llama.cpp/build/bin/llama-server" ]; then echo "llama-server: already built"; return; fi
   local src="$PEERS_DIR/src"
-  mkdir -p "$src"
-  python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$src"
-  tar xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
-  rm -rf "$PEERS_DIR/llama.cpp"
-  cp -r "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PEERS_DIR/llama.cpp"
-  # Not -DGGML_NATIVE=ON: this VM advertises AMX, but AMX code dies with SIGILL here; AVX-512 (with VNNI
-  # and BF16) is what the CPU runs.
+  if [ ! -f "$PEERS_DIR/llama.cpp/CMakeLists.txt" ]; then  # an interrupted build resumes where it stopped
+    mkdir -p "$src"
+    python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$src"
+    tar xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
+    cp -r "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PEERS_DIR/llama.cpp"
+  fi
+  # Not -DGGML_NATIVE=ON: a VM may advertise AMX that dies with SIGILL, so AMX stays off and the x86 extensions
+  # the CPU lists in /proc/cpuinfo are switched on one by one (AVX-512 with VNNI/BF16/VBMI only where present).
+  local flags=" $(grep -m1 '^flags' /proc/cpuinfo) "
+  has() { case "$flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
   cmake -S "$PEERS_DIR/llama.cpp" -B "$PEERS_DIR/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-    -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    -DGGML_NATIVE=OFF -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" \
+    -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" \
+    -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AMX_TILE=OFF \
+    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON
   cmake --build "$PEERS_DIR/llama.cpp/build" --target llama-server -j "$(nproc)"
   echo "llama-server: $PEERS_DIR/llama.cpp/build/bin/llama-server"
 }

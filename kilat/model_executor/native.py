@@ -5,7 +5,8 @@ compiler, CPU flags) into ``$KILAT_CACHE_DIR/kernels/<key>/`` (default ``~/.cach
 -march=native``), under a file lock so concurrent processes build it once, and loaded with
 ``torch.ops.load_library``; its ops are ``torch.ops.<namespace>.*``. Any failure (no compiler, build or load
 error) logs one warning and returns ``None``: the callers then take their torch path. Setting the extension's
-environment variable to ``torch`` forces that path.
+environment variable to ``torch`` forces that path. An extension that calls another's ops (``requires``) loads
+it first and is unavailable without it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Extension:
         env: environment variable: ``auto`` (default: the C++ kernels where they build) or ``torch``.
         what: what it holds, for log lines.
         probe: one of its ops (present once the library is loaded).
+        requires: extensions whose ops it calls (loaded first; it is unavailable when one of them is).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Extension:
     env: str
     what: str
     probe: str
+    requires: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -58,7 +61,9 @@ QUANT_GEMM = Extension("quant_gemm", "kilat_quant", "KILAT_QUANT_KERNELS", "quan
 CPU_LAYERS = Extension("cpu_layers", "kilat_cpu", "KILAT_CPU_LAYERS", "CPU layer kernels", "rms_norm")
 CPU_ATTENTION = Extension("cpu_attention", "kilat_cpu_attn", "KILAT_CPU_ATTENTION", "CPU attention kernels",
                           "paged_decode")
-EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION)}
+CPU_DECODER = Extension("cpu_decoder", "kilat_cpu_decoder", "KILAT_CPU_DECODER", "fused CPU decoder-layer kernel",
+                        "decoder_layer", requires=("quant_gemm", "cpu_layers", "cpu_attention"))
+EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION, CPU_DECODER)}
 
 
 def _cpu_flags() -> str:
@@ -137,6 +142,8 @@ def load_extension(name: str) -> Any | None:
     ext = EXTENSIONS[name]
     if os.environ.get(ext.env, "auto") == "torch":
         logger.info("%s=torch: the %s are not used (torch path)", ext.env, ext.what)
+        return None
+    if any(load_extension(required) is None for required in ext.requires):
         return None
     ops = getattr(torch.ops, ext.namespace)
     if _loaded(ext):

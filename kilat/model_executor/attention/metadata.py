@@ -57,11 +57,12 @@ class DecodePlan:
             groups[-1].append(r)
         if len(groups) == 1:
             groups = [decodes]
-        return [cls._build(g, seq_lens, table, start_loc, block_size, device) for g in groups]
+        return [cls.build(g, seq_lens, table, start_loc, block_size, device) for g in groups]
 
     @classmethod
-    def _build(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
-               block_size: int, device: torch.device | str) -> DecodePlan:
+    def build(cls, decodes: list[int], seq_lens: list[int], table: torch.Tensor, start_loc: torch.Tensor,
+              block_size: int, device: torch.device | str) -> DecodePlan:
+        """Plan the decodes ``decodes`` (request indices, in this order) as one group."""
         num_decodes = len(decodes)
         index = torch.tensor(decodes, dtype=torch.int64)
         # Consecutive requests with one new token each occupy consecutive rows.
@@ -230,6 +231,19 @@ class AttentionMetadata:
             return DecodePlan.build_groups(decodes, host.seq_lens, host.block_table, host.query_start_loc,
                                            self.block_size, self.slot_mapping.device)
         return self.cached("decodes", plan)
+
+    @property
+    def decode_batch(self) -> DecodePlan | None:
+        """Every decode as one :class:`DecodePlan`, in batch order (``None`` when there are none): for kernels
+        that read each context in place, where grouping by length saves nothing."""
+        def plan() -> DecodePlan | None:
+            host = self.require_host()
+            decodes = [r for r, q in enumerate(host.query_lens) if q == 1]
+            if not decodes:
+                return None
+            return DecodePlan.build(decodes, host.seq_lens, host.block_table, host.query_start_loc, self.block_size,
+                                    self.slot_mapping.device)
+        return self.cached("decode_batch", plan)
 
     @property
     def prefills(self) -> list[PrefillPlan]:

@@ -69,8 +69,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
-    groups = metadata.decodes
     kernels = decode_kernels(query.device, kv_scales)
+    # The kernel reads each context in place: one call for every decode (the gather pads each group).
+    groups = metadata.decodes if kernels is None or not metadata.num_decode_tokens else [metadata.decode_batch]
 
     def decode(i: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
         if kernels is not None:

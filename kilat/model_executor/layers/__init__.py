@@ -1,8 +1,9 @@
 """Model building blocks: linear (with its quantization methods), rotary embedding, RMSNorm, SiLU-and-mul,
-embedding."""
+embedding, the fused CPU decode layer."""
 
 from kilat.model_executor.layers.activation import silu_and_mul
 from kilat.model_executor.layers.embedding import VocabEmbedding
+from kilat.model_executor.layers.fused_decoder import DecodeBatch, FusedDecoderLayer, decode_batch
 from kilat.model_executor.layers.layernorm import RMSNorm
 from kilat.model_executor.layers.linear import FusedLinear, Linear
 from kilat.model_executor.layers.quantization import QuantizationConfig, can_pack
@@ -10,6 +11,8 @@ from kilat.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, ro
 from kilat.model_executor.layers.weights import process_weights_after_loading
 
 __all__ = [
+    "DecodeBatch",
+    "FusedDecoderLayer",
     "FusedLinear",
     "Linear",
     "QuantizationConfig",
@@ -18,6 +21,7 @@ __all__ = [
     "VocabEmbedding",
     "apply_rotary",
     "can_pack",
+    "decode_batch",
     "process_weights_after_loading",
     "rope_inv_freq",
     "rope_parameters",

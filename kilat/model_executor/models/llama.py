@@ -18,6 +18,8 @@ from transformers import PretrainedConfig
 
 from kilat.model_executor.attention import Attention
 from kilat.model_executor.layers import (
+    DecodeBatch,
+    FusedDecoderLayer,
     FusedLinear,
     Linear,
     QuantizationConfig,
@@ -25,6 +27,7 @@ from kilat.model_executor.layers import (
     RotaryEmbedding,
     VocabEmbedding,
     apply_rotary,
+    decode_batch,
     rope_inv_freq,
     silu_and_mul,
 )
@@ -113,7 +116,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer; the residual stream is carried separately so each norm fuses its add."""
+    """Pre-norm decoder layer; the residual stream is carried separately so each norm fuses its add.
+
+    After loading, a layer whose projections are packed quantized weights on the CPU also holds ``fused``, the same
+    computation as one C++ op (:class:`FusedDecoderLayer`), which :class:`LlamaModel` runs on decode-only steps.
+    """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
                  dtype: torch.dtype | None, quant_config: QuantizationConfig | None) -> None:
@@ -124,6 +131,14 @@ class LlamaDecoderLayer(nn.Module):
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.fused: FusedDecoderLayer | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Bind the fused decode kernel where it applies (runs after the submodules processed their weights)."""
+        attn, mlp = self.self_attn, self.mlp
+        self.fused = FusedDecoderLayer.build(
+            self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+            mlp.down_proj, attn.attn, attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +171,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         residual = None
+        batch: DecodeBatch | None = None
+        if all(layer.fused is not None for layer in self.layers):
+            batch = decode_batch(x)
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
+            if batch is not None:
+                x, residual = layer.fused(x, residual, cos, sin, batch)
+            else:
+                x, residual = layer(x, residual, cos, sin)
         x, _ = self.norm(x, residual)
         return x
 

@@ -202,6 +202,12 @@ class PackedIntLinearMethod(LinearMethod):
                        for perm, weight in self.parts], dim=-1)
         return y if layer.bias is None else y + layer.bias
 
+    def packed_weight(self) -> kernels.QuantWeight | None:
+        """The one part when no input reordering (act-order) precedes it, else ``None``."""
+        if len(self.parts) == 1 and self.parts[0][0] is None:
+            return self.parts[0][1]
+        return None
+
     def describe(self) -> str:
         group = "per-channel" if self.per_channel else f"g{self.group_size}"
         act_order = " act-order" if any(perm is not None for perm, _ in self.parts) else ""

@@ -17,6 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from kilat.model_executor.layers.linear import Linear
+    from kilat.model_executor.layers.quantization.kernels import QuantWeight
 
 
 def check_bool_option(name: str, value: object) -> None:
@@ -67,6 +68,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in] -> x @ W.T + bias [..., out]`` in ``x``'s dtype."""
+
+    def packed_weight(self) -> QuantWeight | None:
+        """The layer's whole weight as one packed :class:`QuantWeight` when :meth:`apply` is exactly
+        ``kernels.quant_linear(x, weight, layer.bias)`` (what fused kernels may call in its place), else ``None``."""
+        return None
 
     def describe(self) -> str:
         """A short name for start-up logs, e.g. ``"int4 g32"``."""

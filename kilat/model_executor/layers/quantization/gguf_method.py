@@ -139,6 +139,13 @@ class GGUFLinearMethod(LinearMethod):
         y = torch.cat([_matmul(x, p, None) for p in self.parts], dim=-1)
         return y if layer.bias is None else y + layer.bias
 
+    def packed_weight(self) -> kernels.QuantWeight | None:
+        """The one packed part (all shards affine with the same bits and group size), else ``None``."""
+        if self._dense is None and self.parts is not None and len(self.parts) == 1:
+            part = self.parts[0]
+            return part if isinstance(part, kernels.QuantWeight) else None
+        return None
+
     def describe(self) -> str:
         if self._dense is not None:
             return self._dense.describe()

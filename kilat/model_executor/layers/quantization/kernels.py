@@ -53,7 +53,7 @@ DENSE_MIN_M = 128
 """From this many rows of ``x`` on (prefill), :func:`quant_linear` dequantizes the weight to float32 and runs the dense
 float32 matmul, whatever ``x``'s dtype: exact, and at M = 512 on this CPU (AVX-512 without AMX) faster than dense
 bfloat16 on every SmolLM2 shape; below it the kernels win (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -208,7 +208,7 @@ def _native_for(t: torch.Tensor) -> Any | None:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``q * scale + zero`` computed in float32, then cast to ``dtype``: ``[N, K]``."""
     ops = _native_for(w.qweight)
-    if ops is None or dtype not in _NATIVE_DTYPES:
+    if ops is None or dtype not in NATIVE_DTYPES:
         return dequantize_torch(w, dtype)
     return ops.dequantize(w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, dtype)
 
@@ -234,7 +234,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
-    if ops is None or x.dtype not in _NATIVE_DTYPES:
+    if ops is None or x.dtype not in NATIVE_DTYPES:
         return F.linear(x, dequantize(w, x.dtype), bias)
     if x.numel() >= DENSE_MIN_M * w.in_features:
         y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))
@@ -260,7 +260,7 @@ def embedding(ids: torch.Tensor, w: QuantWeight, dtype: torch.dtype) -> torch.Te
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
         raise ValueError(f"ids must be in [0, {w.out_features}), got {int(flat.min())}..{int(flat.max())}")
     ops = _native_for(w.qweight)
-    if ops is not None and dtype in _NATIVE_DTYPES:
+    if ops is not None and dtype in NATIVE_DTYPES:
         return ops.embedding(ids.to(torch.long), w.qweight, w.scales, w.bits, w.group_size, w.out_features,
                              w.in_features, dtype)
     rows = _dequantize_blocks(w, flat // ROWS)  # [T, 16, K]

@@ -75,6 +75,9 @@ class WeightOnlyLinearMethod(LinearMethod):
             raise RuntimeError(f"{layer.prefix}: weights are not processed after loading")
         return kernels.quant_linear(x, self.qweight, layer.bias)
 
+    def packed_weight(self) -> kernels.QuantWeight | None:
+        return self.qweight
+
     def describe(self) -> str:
         return "int8 per-channel" if self.bits == 8 else f"int4 g{self.group_size}"
 

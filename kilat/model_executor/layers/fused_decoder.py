@@ -1,0 +1,106 @@
+"""A whole pre-norm decoder layer as one C++ op for decode-only CPU steps (``kilat/csrc/cpu_decoder.cpp``).
+
+A batch-1 decode step of a small model on the CPU is dominated by Python and dispatch between a dozen small
+kernels per layer (docs/benchmarks.md, "Fused decoder layer"). :class:`FusedDecoderLayer` hands one layer's weights
+to ``torch.ops.kilat_cpu_decoder.decoder_layer``, which calls the same kernels in the same order from C++ (RMSNorm,
+the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs are bit
+for bit those of the layer's Python forward. It applies only where that forward would run exactly those kernels:
+every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the CPU, a
+step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the torch attention backend.
+Everything else (prefill chunks, dense or act-order weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python
+forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kilat.model_executor.attention import Attention
+from kilat.model_executor.forward_context import get_forward_context
+from kilat.model_executor.layers.layernorm import RMSNorm
+from kilat.model_executor.layers.linear import Linear
+from kilat.model_executor.layers.quantization.kernels import DENSE_MIN_M, NATIVE_DTYPES
+from kilat.model_executor.native import load_extension
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """What the fused op reads of a decode-only step, in batch order.
+
+    Attributes:
+        slot_mapping: int64 ``[T]``, the cache slot of each token's key and value.
+        block_ids: int64 ``[T * num_blocks]``, each decode's first ``num_blocks`` KV block ids.
+        seq_lens: int64 ``[T]``, each decode's context including its new token.
+    """
+
+    slot_mapping: torch.Tensor
+    block_ids: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
+    """The current step as a :class:`DecodeBatch` when the fused op may run it, else ``None``.
+
+    Args:
+        x: the step's hidden states ``[T, hidden]`` (their device and dtype decide).
+    """
+    ctx = get_forward_context()
+    metadata = ctx.attn_metadata
+    tokens = x.shape[0]
+    if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
+            or ctx.fused_kernels or (ctx.backend is not None and ctx.backend.name != "torch") or metadata.host is None
+            or metadata.num_decode_tokens != tokens or metadata.num_reqs != tokens):
+        return None
+    plan = metadata.decode_batch
+    return DecodeBatch(metadata.slot_mapping, plan.block_ids, plan.seq_lens)
+
+
+class FusedDecoderLayer:
+    """One decoder layer's weights, bound for ``kilat_cpu_decoder.decoder_layer``.
+
+    Build with :meth:`build` after the weights are processed; call it in place of the layer's forward on steps for
+    which :func:`decode_batch` is not ``None``.
+    """
+
+    def __init__(self, ops: Any, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor],
+                 quant: list[int], biases: list[torch.Tensor | None], attn: Attention) -> None:
+        self._ops = ops
+        self._norms = norms
+        self._eps = eps
+        self._weights = weights
+        self._quant = quant
+        self._biases = biases
+        self._attn = attn
+
+    @classmethod
+    def build(cls, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm, qkv_proj: Linear, o_proj: Linear,
+              gate_up_proj: Linear, down_proj: Linear, attn: Attention, q_norm: RMSNorm | None = None,
+              k_norm: RMSNorm | None = None) -> FusedDecoderLayer | None:
+        """Bind a layer (its modules, after ``process_weights_after_loading``), or ``None`` when it cannot be fused:
+        a projection without one packed weight, weights off the CPU, norms with different ``eps``, or the C++
+        extension unavailable (no compiler, ``KILAT_CPU_DECODER=torch``)."""
+        norms = [input_layernorm, post_attention_layernorm] + ([q_norm, k_norm] if q_norm is not None else [])
+        linears = (qkv_proj, o_proj, gate_up_proj, down_proj)
+        packed = [linear.quant_method.packed_weight() for linear in linears]
+        if any(w is None or not w.qweight.is_cpu for w in packed) or len({n.eps for n in norms if n}) != 1:
+            return None
+        ops = load_extension("cpu_decoder")
+        if ops is None:
+            return None
+        weights = [t for w in packed for t in (w.qweight, w.scales)]
+        quant = [v for w in packed for v in (w.bits, w.group_size, w.out_features, w.in_features)]
+        return cls(ops, [n.weight for n in norms if n], input_layernorm.eps, weights, quant,
+                   [linear.bias for linear in linears], attn)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's ``(sublayer output, residual)`` for ``x [T, hidden]`` (``residual`` ``None`` in the first
+        layer), ``cos``/``sin`` ``[T, 1, head_dim]``; writes the step's keys and values into the layer's cache."""
+        attn = self._attn
+        kv_cache = get_forward_context().kv_caches[attn.layer_idx]
+        return self._ops.decoder_layer(x, residual, self._norms, self._eps, self._weights, self._quant, self._biases,
+                                       cos, sin, kv_cache, batch.slot_mapping, batch.block_ids, batch.seq_lens,
+                                       attn.num_heads, attn.scale, attn.sliding_window or 0)

@@ -1,0 +1,97 @@
+"""The fused CPU decoder layer (``kilat/csrc/cpu_decoder.cpp``) against the layer's Python forward: on decode steps
+of every Llama-family variant (GQA/MQA, biases, sliding window, q/k norm) with packed int4/int8 weights, in
+bfloat16 and float32, logits and the written KV cache are bit for bit the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kilat.config import ModelConfig
+from kilat.model_executor.layers import FusedDecoderLayer
+from kilat.model_executor.loader import get_model
+from kilat.model_executor.native import load_extension
+from tests.test_models import CASES, _Sequences
+
+pytestmark = pytest.mark.skipif(load_extension("cpu_decoder") is None, reason="the C++ kernels are unavailable")
+
+FUSED_CASES = ["llama-gqa-untied", "llama-mqa-tied-biases", "mistral-sliding-window", "qwen2-tied-qkv-bias",
+               "qwen3-qk-norm-head-dim"]
+
+
+@pytest.fixture(scope="module", params=FUSED_CASES)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = CASES[request.param]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return path
+
+
+def _run(model: torch.nn.Module, fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Two prompts (11 and 4 tokens), then 12 decode steps of both (contexts past the sliding window of 8 and across
+    blocks of 4): the decode steps' logits and the final KV caches."""
+    saved = [layer.fused for layer in model.model.layers]
+    if not fused:
+        for layer in model.model.layers:
+            layer.fused = None
+    try:
+        g = torch.Generator().manual_seed(2)
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 16)]
+        runner = _Sequences(model, [len(s) for s in seqs], block_size=4)
+        runner.step([(0, seqs[0][:11], 0), (1, seqs[1][:4], 0)])
+        logits = []
+        for i in range(12):
+            out = runner.step([(0, seqs[0][11 + i:12 + i], 11 + i), (1, seqs[1][4 + i:5 + i], 4 + i)])
+            logits.append(torch.stack([o[0] for o in out]))
+        return torch.stack(logits), runner.kv
+    finally:
+        for layer, f in zip(model.model.layers, saved, strict=True):
+            layer.fused = f
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_fused_decode_equals_python_forward(checkpoint: Path, quantization: str, dtype: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype, quantization=quantization), "cpu")
+    assert all(layer.fused is not None for layer in model.model.layers)
+    calls = []
+    call = FusedDecoderLayer.__call__
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    fused_logits, fused_kv = _run(model, fused=True)
+    assert len(calls) == 12 * model.num_layers  # every decode step, never the prefill
+    python_logits, python_kv = _run(model, fused=False)
+    assert torch.isfinite(fused_logits).all() and fused_logits.abs().max() > 0
+    assert torch.equal(fused_logits, python_logits)
+    for a, b in zip(fused_kv, python_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dense_weights_are_not_fused(checkpoint: Path) -> None:
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="bfloat16"), "cpu")
+    assert all(layer.fused is None for layer in model.model.layers)
+
+
+def test_slot_outside_the_cache_is_an_error(checkpoint: Path) -> None:
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="float32", quantization="int8"), "cpu")
+    layer = model.model.layers[0]
+    x = torch.randn(1, model.config.hidden_size)
+    cos, sin = model.model.rotary_emb(torch.tensor([0]))
+    kv = torch.zeros(2, 2, 4, model.num_kv_heads, model.head_dim)
+    one = torch.tensor([1])
+    args = (layer.fused._norms, layer.fused._eps, layer.fused._weights, layer.fused._quant, layer.fused._biases,
+            cos, sin, kv)
+    ops = layer.fused._ops
+    with pytest.raises(RuntimeError, match="slot_mapping must be in"):
+        ops.decoder_layer(x, None, *args, torch.tensor([8]), torch.tensor([0]), one, layer.self_attn.num_heads,
+                          0.125, 0)
+    ops.decoder_layer(x, None, *args, torch.tensor([7]), torch.tensor([1]), one, layer.self_attn.num_heads, 0.125, 0)
+    assert kv[0, 1, 3].abs().sum() > 0 and kv[0, 0].abs().sum() == 0
