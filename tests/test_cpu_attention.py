@@ -51,13 +51,14 @@ def has_decode_mask(md: AttentionMetadata) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 8)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 4), (8, 8), (8, 2)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("window", [None, 40])
 def test_paged_decode_matches_reference(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                                         window: int | None) -> None:
     """Lengths around block boundaries (1, 15, 16, 17) and across several blocks (100), GQA and MHA, a window that
-    cuts only the long one; the kernel runs (no decode mask is built) and matches the float64 oracle."""
+    cuts only the long one; 1 to 4 query heads per KV head and head sizes a multiple of 16 or only of 8 (the AVX2 code
+    paths); the kernel runs (no decode mask is built) and matches the float64 oracle."""
     out, expected, md, _ = decode_step([1, 15, 16, 17, 100], num_heads, num_kv_heads, head_dim, dtype, window)
     assert out.dtype == dtype and out.shape == expected.shape
     assert not has_decode_mask(md)

@@ -101,6 +101,26 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// s[j] = dot(q, k + j * dim, dim) for j < n. On AVX2, four keys at a time: four independent FMA chains, their
+// horizontal sums in one hadd tree (the same products, summed in another order than dot's).
+inline void dots(const float* q, const float* k, int64_t n, int64_t dim, float* s) {
+  int64_t j = 0;
+#ifdef KILAT_AVX2
+  if (dim % 8 == 0) {
+    for (; j + 4 <= n; j += 4) {
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + r) * dim + i), acc[r]);
+      }
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+  }
+#endif
+  for (; j < n; ++j) s[j] = dot(q, k + j * dim, dim);
+}
+
 // y[0:n] += a * x[0:n]
 inline void axpy(float a, const float* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -137,6 +157,15 @@ inline void weighted_sum(const float* p, const float* v, int64_t n, int64_t dim,
     _mm512_storeu_ps(acc + i, a);
   }
 #elif defined(KILAT_AVX2)
+  for (; i + 32 <= dim; i += 32) {  // 4 independent FMA chains (one chain per 8 lanes is latency-bound on AVX2 CPUs)
+    __m256 a[4];
+    for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(acc + i + 8 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * dim + i + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + i + 8 * c, a[c]);
+  }
   for (; i + 8 <= dim; i += 8) {
     __m256 a = _mm256_loadu_ps(acc + i);
     for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + i), a);
@@ -251,7 +280,7 @@ struct State {
 struct Scratch {
   std::vector<float> q, k, v, s, row;
   explicit Scratch(const Problem& p)
-      : q(p.group * p.dim), k(kTile * p.dim), v(kTile * p.dim), s(kTile), row(p.dim) {}
+      : q(p.group * p.dim), k(kTile * p.dim), v(kTile * p.dim), s(p.group * kTile), row(p.dim) {}
 };
 
 template <typename T>
@@ -282,12 +311,93 @@ void attend(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begi
     }
     for (int64_t g = 0; g < p.group; ++g) {
       float* s = sc.s.data();
-      for (int64_t j = 0; j < n; ++j) s[j] = dot(&sc.q[g * dim], &sc.k[j * dim], dim);
+      dots(&sc.q[g * dim], sc.k.data(), n, dim, s);
       float* acc = &st.acc[g * dim];
       scale(softmax_step(s, n, st.m[g], st.l[g]), acc, dim);
       weighted_sum(s, sc.v.data(), n, dim, acc);
     }
   }
+}
+
+#ifdef KILAT_AVX2
+// attend() for G <= 3 query heads per KV head and head_dim a multiple of 16, without attend's float32 copies of each
+// tile's K and V rows (on AVX2 CPUs those conversions and stores took about half the time): each 8 values of a key or
+// value row are converted once, in a register, and used for all G heads. Scores of 4 keys x G heads in 4G independent
+// FMA chains, each head's 4 sums in one hadd tree; the V sums as attend's (per lane, key by key), 16 lanes at a time.
+template <typename T, int G>
+void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
+                 State st) {
+  const int64_t dim = p.dim;
+  std::fill(st.m, st.m + G, -std::numeric_limits<float>::infinity());
+  std::fill(st.l, st.l + G, 0.f);
+  std::fill(st.acc, st.acc + G * dim, 0.f);
+  const T* krow[kTile];
+  const T* vrow[kTile];
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = t0 + j;
+      const int64_t block = p.block_ids[d * p.num_blocks + pos / p.block_size];
+      krow[j] = cache + ((block * p.block_size + pos % p.block_size) * p.kv_heads + h) * dim;
+      vrow[j] = krow[j] + p.values;
+    }
+    float* s = sc.s.data();  // [G, kTile]
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      __m256 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 8)
+        for (int r = 0; r < 4; ++r) {
+          const __m256 kv = load8(krow[j + r] + i);
+          for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(&sc.q[g * dim + i]), kv, acc[g][r]);
+        }
+      for (int g = 0; g < G; ++g) {
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+        _mm_storeu_ps(s + g * kTile + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      }
+    }
+    for (; j < n; ++j) {
+      __m256 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 kv = load8(krow[j] + i);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(&sc.q[g * dim + i]), kv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) s[g * kTile + j] = hsum8(acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scale(softmax_step(s + g * kTile, n, st.m[g], st.l[g]), &st.acc[g * dim], dim);
+    for (int64_t i = 0; i < dim; i += 16) {
+      __m256 a[G][2];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 2; ++c) a[g][c] = _mm256_loadu_ps(&st.acc[g * dim + i + 8 * c]);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const __m256 v0 = load8(vrow[jj] + i), v1 = load8(vrow[jj] + i + 8);
+        for (int g = 0; g < G; ++g) {
+          const __m256 pj = _mm256_set1_ps(s[g * kTile + jj]);
+          a[g][0] = _mm256_fmadd_ps(pj, v0, a[g][0]);
+          a[g][1] = _mm256_fmadd_ps(pj, v1, a[g][1]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(&st.acc[g * dim + i + 8 * c], a[g][c]);
+    }
+  }
+}
+#endif
+
+// attend_rows where it applies (AVX2, G <= 3, head_dim a multiple of 16), else attend.
+template <typename T>
+void attend_item(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
+                 State st) {
+#ifdef KILAT_AVX2
+  if (p.dim % 16 == 0) {
+    if (p.group == 1) return attend_rows<T, 1>(p, cache, d, h, begin, end, sc, st);
+    if (p.group == 2) return attend_rows<T, 2>(p, cache, d, h, begin, end, sc, st);
+    if (p.group == 3) return attend_rows<T, 3>(p, cache, d, h, begin, end, sc, st);
+  }
+#endif
+  attend(p, cache, d, h, begin, end, sc, st);
 }
 
 // Output rows of item (d, h) from its `n_parts` states (consecutive, from `parts`), merged by log-sum-exp:
@@ -342,7 +452,7 @@ void run(const Problem& p, const T* query, const T* cache, T* out) {
       const int64_t chunk = (end - begin + splits - 1) / splits;
       const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
       load_queries(p, query, d, h, sc);
-      attend(p, cache, d, h, lo, hi, sc, State(part(task), p));
+      attend_item(p, cache, d, h, lo, hi, sc, State(part(task), p));
       if (splits == 1) finish(p, part(task), 1, d, h, out, sc.row.data());
     }
   });
