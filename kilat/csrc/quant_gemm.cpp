@@ -10,8 +10,8 @@
 // dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs with AVX2 and FMA but no AVX-512 run the
 // same loops on 256-bit vectors (two per row block); others use the portable loops (same arithmetic). 16-bit x on
 // CPUs with AVX512-VNNI or AVX2 takes an integer path instead (x as exact-or-nearly 16-bit integers per block, exact
-// int32 dot products: gemm_block_vnni with vpdpbusd, gemm_block_i16 with vpmaddwd; both give the same integers, so
-// the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
+// int32 dot products: gemm_block_vnni with vpdpbusd; on AVX2 gemm_block_u8 with vpmaddubsw for 4-bit weights and
+// gemm_block_i16 with vpmaddwd for 8-bit ones; all give the same integers, so the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
