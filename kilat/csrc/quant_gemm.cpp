@@ -10,8 +10,8 @@
 // dequantize-then-matmul up to float32 rounding, written in x's dtype. CPUs with AVX2 and FMA but no AVX-512 run the
 // same loops on 256-bit vectors (two per row block); others use the portable loops (same arithmetic). 16-bit x on
 // CPUs with AVX512-VNNI or AVX2 takes an integer path instead (x as exact-or-nearly 16-bit integers per block, exact
-// int32 dot products: gemm_block_vnni with vpdpbusd; on AVX2 gemm_block_u8 with vpmaddubsw for 4-bit weights and
-// gemm_block_i16 with vpmaddwd for 8-bit ones; all give the same integers, so the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
+// int32 dot products: gemm_block_vnni with vpdpbusd; on AVX2 gemm_block_int with vpmaddubsw for 4-bit weights (DotU8)
+// and vpmaddwd for 8-bit ones (DotI16); all give the same integers, so the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
@@ -26,8 +26,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -39,7 +41,7 @@
 #define KILAT_VNNI 1  // the integer path for 16-bit x (split_block, gemm_block_vnni)
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KILAT_AVX2 1  // 256-bit paths: float32 FMAs, and the integer path for 16-bit x with vpmaddwd (gemm_block_i16)
+#define KILAT_AVX2 1  // 256-bit paths: float32 FMAs, and the integer path for 16-bit x (gemm_block_int)
 #include <immintrin.h>
 #endif
 #if defined(KILAT_VNNI) || defined(KILAT_AVX2)
@@ -179,7 +181,7 @@ inline float v16_block(const float* x, int64_t n, int16_t* v16) {
 }
 
 // v as split_block's bytes, v = 256 h + l with h = (v + 128) >> 8 in [-127, 127] and l in [-128, 127] (for
-// gemm_block_u8, whose vpmaddubsw multiplies bytes).
+// DotU8, whose vpmaddubsw multiplies bytes).
 inline void split_v16(const int16_t* v, int64_t n, int8_t* h, int8_t* l) {
   for (int64_t c = 0; c < n; ++c) {
     const int32_t hi = (static_cast<int32_t>(v[c]) + 128) >> 8;
@@ -503,36 +505,78 @@ void gemm_block_avx2(const Activations& a, const uint8_t* qw, const S* sz, const
   if (m0 < a.m) gemm_block_fp32_avx2<BITS, 1, S>(a, m0, qw, sz, l, blk, y);
 }
 
-// A chunk as four int16 vectors, q[i] = rows 4i .. 4i+3 x 4 columns (q; q as signed for 8 bits).
-template <int BITS>
-inline void load_i16(const uint8_t* wp, __m256i q[4]) {
-  if constexpr (BITS == 4) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    q[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
-    q[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
-    q[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
-    q[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
-  } else {
+// The integer paths' dot products of one block of x's columns (xblock / 4 chunks), as exact int32 sums
+// sum_k q[n, k] v[m, k] for rows 0-7 and 8-15 of a row block. Two kinds, one per weight width:
+//
+// DotI16 (8-bit weights): q as int16 (four vectors per chunk, q[i] = rows 4i .. 4i+3 x 4 columns) times x's int16 v
+// with vpmaddwd (|q| <= 128, |v| <= 32639: a block of 32 columns sums to less than 2^27).
+struct DotI16 {
+  struct Acc {
+    __m256i p[4];
+  };
+  using Weights = std::array<__m256i, 4>;
+  static Weights load(const uint8_t* wp) {
     const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    Weights q;
     for (int i = 0; i < 4; ++i)
       q[i] = _mm256_cvtepi8_epi16(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * i)), flip));
+    return q;
   }
-}
+  static void zero(Acc& acc) {
+    for (__m256i& p : acc.p) p = _mm256_setzero_si256();
+  }
+  static void add(Acc& acc, const Weights& q, const Activations& a, int64_t m, int64_t chunk) {
+    int64_t four;  // v of the chunk's 4 columns, broadcast
+    std::memcpy(&four, &a.xv[m * a.kp + chunk * kCols], sizeof(four));
+    const __m256i v = _mm256_set1_epi64x(four);
+    for (int r = 0; r < 4; ++r) acc.p[r] = _mm256_add_epi32(acc.p[r], _mm256_madd_epi16(q[r], v));
+  }
+  // p[i] = [row 4i: columns 0+1, 2+3, row 4i+1: ..., row 4i+3: ...]: hadd pairs them as rows 0 1 4 5 | 2 3 6 7, the
+  // 64-bit permute restores the order.
+  static void finish(const Acc& acc, __m256i dot[2]) {
+    dot[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc.p[0], acc.p[1]), _MM_SHUFFLE(3, 1, 2, 0));
+    dot[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc.p[2], acc.p[3]), _MM_SHUFFLE(3, 1, 2, 0));
+  }
+};
 
-// The row sums of four accumulators p[i] = [row 4i: columns 0+1, 2+3, row 4i+1: ..., row 4i+3: ...] as rows 0-7 and
-// rows 8-15 (hadd pairs them as rows 0 1 4 5 | 2 3 6 7; the 64-bit permute restores the order).
-inline void row_sums(const __m256i p[4], __m256i& lo, __m256i& hi) {
-  lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(p[0], p[1]), _MM_SHUFFLE(3, 1, 2, 0));
-  hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(p[2], p[3]), _MM_SHUFFLE(3, 1, 2, 0));
-}
+// DotU8 (4-bit weights): q (0..15, unsigned bytes; low nibbles rows 0-7, high nibbles rows 8-15) times x's h and l
+// bytes (v = 256 h + l) with vpmaddubsw, pairs of columns summed in int16 and a block's chunks accumulated in int16
+// (|pair| <= 2 * 15 * 128 = 3840, at most 8 chunks <= 30720: no saturation), widened once per block with vpmaddwd
+// by ones: 256 sum(q h) + sum(q l) = sum(q v), the integers DotI16 would give, with ~1/3 fewer instructions.
+struct DotU8 {
+  struct Acc {
+    __m256i h[2], l[2];
+  };
+  using Weights = std::array<__m256i, 2>;
+  static Weights load(const uint8_t* wp) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    return {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
+  }
+  static void zero(Acc& acc) {
+    for (int half = 0; half < 2; ++half) acc.h[half] = acc.l[half] = _mm256_setzero_si256();
+  }
+  static void add(Acc& acc, const Weights& w, const Activations& a, int64_t m, int64_t chunk) {
+    const int64_t at = m * (a.kp / 4) + chunk;
+    const __m256i xh = _mm256_set1_epi32(a.xh[at]), xl = _mm256_set1_epi32(a.xl[at]);
+    for (int half = 0; half < 2; ++half) {
+      acc.h[half] = _mm256_add_epi16(acc.h[half], _mm256_maddubs_epi16(w[half], xh));
+      acc.l[half] = _mm256_add_epi16(acc.l[half], _mm256_maddubs_epi16(w[half], xl));
+    }
+  }
+  static void finish(const Acc& acc, __m256i dot[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; ++half)
+      dot[half] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(acc.h[half], ones), 8),
+                                   _mm256_madd_epi16(acc.l[half], ones));
+  }
+};
 
-// 16-bit x with vpmaddwd: sum_k q[n, k] v[m, k] exactly in int32 (|q| <= 128, |v| <= 32639: a block of 32 columns sums
-// to less than 2^27), then as gemm_block_vnni: converted to float32, scaled by xscale and the group scale. The same
-// integers and float operations as gemm_block_vnni, so the same outputs.
-template <int BITS, int MT, typename S>
-void gemm_block_i16(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
+// 16-bit x on AVX2: per block of columns the exact int32 dot of `Dot`, then as gemm_block_vnni: converted to float32,
+// scaled by the block's xscale and the group scale, the zero term added per group. The same integers and float
+// operations as gemm_block_vnni, so the same outputs.
+template <typename Dot, int MT, typename S>
+void gemm_block_int(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
                     float* y) {
   const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t chunks_per_block = a.xblock / kCols, blocks_per_group = l.span / a.xblock;
@@ -545,23 +589,16 @@ void gemm_block_i16(const Activations& a, int64_t m0, const uint8_t* qw, const S
     load_scales8(sz, l, blk, g, sv, zv);
     for (int64_t b = 0; b < blocks_per_group; ++b) {
       const int64_t xb = g * blocks_per_group + b;
-      __m256i p[MT][4];
-      for (int i = 0; i < MT; ++i)
-        for (int r = 0; r < 4; ++r) p[i][r] = _mm256_setzero_si256();
+      typename Dot::Acc p[MT];
+      for (int i = 0; i < MT; ++i) Dot::zero(p[i]);
       for (int64_t c = 0; c < chunks_per_block; ++c, ++chunk, wp += l.chunk_bytes) {
         _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-        __m256i q[4];
-        load_i16<BITS>(wp, q);
-        for (int i = 0; i < MT; ++i) {
-          int64_t four;  // v of the chunk's 4 columns, broadcast
-          std::memcpy(&four, &a.xv[(m0 + i) * a.kp + chunk * kCols], sizeof(four));
-          const __m256i v = _mm256_set1_epi64x(four);
-          for (int r = 0; r < 4; ++r) p[i][r] = _mm256_add_epi32(p[i][r], _mm256_madd_epi16(q[r], v));
-        }
+        const typename Dot::Weights w = Dot::load(wp);
+        for (int i = 0; i < MT; ++i) Dot::add(p[i], w, a, m0 + i, chunk);
       }
       for (int i = 0; i < MT; ++i) {
         __m256i dot[2];
-        row_sums(p[i], dot[0], dot[1]);
+        Dot::finish(p[i], dot);
         const __m256 xs = _mm256_set1_ps(a.xscale[(m0 + i) * xblocks + xb]);
         for (int h = 0; h < 2; ++h)
           acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), _mm256_mul_ps(sv[h], xs), acc[i][h]);
@@ -575,69 +612,13 @@ void gemm_block_i16(const Activations& a, int64_t m0, const uint8_t* qw, const S
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * kRows + 8 * h, acc[i][h]);
 }
 
-// 4-bit weights with vpmaddubsw: q (0..15, unsigned bytes) times x's h and l bytes, pairs of columns summed in int16,
-// a block's chunks accumulated in int16 (|pair| <= 2 * 15 * 128 = 3840, 8 chunks <= 30720: no saturation), widened
-// once per block with vpmaddwd by ones. dot = 256 sum(q h) + sum(q l) = sum(q v) exactly: the integers of
-// gemm_block_i16, then its float operations, so the same outputs with ~1/3 fewer instructions per chunk.
-template <int MT, typename S>
-void gemm_block_u8(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
-                   float* y) {
-  const uint8_t* wp = qw + blk * l.chunks * l.chunk_bytes;
-  const int64_t chunks_per_block = a.xblock / kCols, blocks_per_group = l.span / a.xblock;
-  const int64_t xblocks = a.kp / a.xblock;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[MT][2];
-  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  int64_t chunk = 0;
-  for (int64_t g = 0; g < l.groups; ++g) {
-    __m256 sv[2], zv[2];
-    load_scales8(sz, l, blk, g, sv, zv);
-    for (int64_t b = 0; b < blocks_per_group; ++b) {
-      const int64_t xb = g * blocks_per_group + b;
-      __m256i ph[MT][2], pl[MT][2];  // [half]: rows 0-7 (low nibbles), rows 8-15 (high nibbles)
-      for (int i = 0; i < MT; ++i)
-        for (int h = 0; h < 2; ++h) ph[i][h] = pl[i][h] = _mm256_setzero_si256();
-      for (int64_t c = 0; c < chunks_per_block; ++c, ++chunk, wp += l.chunk_bytes) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-        const __m256i w[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
-        for (int i = 0; i < MT; ++i) {
-          const int64_t at = (m0 + i) * (a.kp / 4) + chunk;
-          const __m256i xh = _mm256_set1_epi32(a.xh[at]), xl = _mm256_set1_epi32(a.xl[at]);
-          for (int h = 0; h < 2; ++h) {
-            ph[i][h] = _mm256_add_epi16(ph[i][h], _mm256_maddubs_epi16(w[h], xh));
-            pl[i][h] = _mm256_add_epi16(pl[i][h], _mm256_maddubs_epi16(w[h], xl));
-          }
-        }
-      }
-      for (int i = 0; i < MT; ++i) {
-        const __m256 xs = _mm256_set1_ps(a.xscale[(m0 + i) * xblocks + xb]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ph[i][h], ones), 8),
-                                               _mm256_madd_epi16(pl[i][h], ones));
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv[h], xs), acc[i][h]);
-        }
-      }
-    }
-    for (int i = 0; i < MT; ++i)
-      for (int h = 0; h < 2; ++h)
-        acc[i][h] = _mm256_fmadd_ps(zv[h], _mm256_set1_ps(a.xsum[(m0 + i) * l.groups + g]), acc[i][h]);
-  }
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * kRows + 8 * h, acc[i][h]);
-}
-
 template <int BITS, typename S>
 void gemm_block_int_avx2(const Activations& a, const uint8_t* qw, const S* sz, const Layout& l, int64_t blk,
                          float* y) {
+  using Dot = std::conditional_t<BITS == 4, DotU8, DotI16>;
   int64_t m0 = 0;
-  if constexpr (BITS == 4) {
-    for (; m0 + 2 <= a.m; m0 += 2) gemm_block_u8<2, S>(a, m0, qw, sz, l, blk, y);
-    if (m0 < a.m) gemm_block_u8<1, S>(a, m0, qw, sz, l, blk, y);
-    return;
-  }
-  for (; m0 + 2 <= a.m; m0 += 2) gemm_block_i16<BITS, 2, S>(a, m0, qw, sz, l, blk, y);
-  if (m0 < a.m) gemm_block_i16<BITS, 1, S>(a, m0, qw, sz, l, blk, y);
+  for (; m0 + 2 <= a.m; m0 += 2) gemm_block_int<Dot, 2, S>(a, m0, qw, sz, l, blk, y);
+  if (m0 < a.m) gemm_block_int<Dot, 1, S>(a, m0, qw, sz, l, blk, y);
 }
 #endif
 
