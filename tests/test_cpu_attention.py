@@ -78,14 +78,16 @@ def test_paged_decode_equals_torch_path(ops, dtype: torch.dtype) -> None:
     torch.testing.assert_close(half.float(), reference.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_heads", [8, 3])
 @pytest.mark.parametrize("seq_lens,window", [([2000], None), ([2000, 1], None), ([2000, 650], 1000)])
-def test_long_context_split_across_threads(ops, seq_lens: list[int], window: int | None) -> None:
+def test_long_context_split_across_threads(ops, seq_lens: list[int], window: int | None, num_heads: int) -> None:
     """One KV head and 4 threads: fewer (decode, KV head) items than threads and a context > 512 keys, so each
-    decode's keys are split across threads (the short ones into empty parts) and merged by log-sum-exp."""
+    decode's keys are split across threads (the short ones into empty parts) and merged by log-sum-exp; 8 or 3
+    query heads per KV head (the AVX2 build's two code paths)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        out, expected, _, args = decode_step(seq_lens, 8, 1, 64, torch.float32, window, seed=3)
+        out, expected, _, args = decode_step(seq_lens, num_heads, 1, 64, torch.float32, window, seed=3)
         query, kv_cache, block_ids, lens, scale = args
         torch.set_num_threads(1)  # the same op, unsplit
         serial = ops.paged_decode(query, kv_cache, block_ids, lens, scale, window or 0)

@@ -1,6 +1,7 @@
 """The fused CPU decoder layer (``kilat/csrc/cpu_decoder.cpp``) against the layer's Python forward: on decode steps
 of every Llama-family variant (GQA/MQA, biases, sliding window, q/k norm) with packed int4/int8 weights, in
-bfloat16 and float32, logits and the written KV cache are bit for bit the same."""
+bfloat16, float16 and float32, logits and the written KV cache are bit for bit the same; the embedded GGUF; a model
+whose layers fuse only in part."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from kilat.model_executor.loader import get_model
 from kilat.model_executor.native import load_extension
 from tests.test_models import CASES, _Sequences
 
-pytestmark = pytest.mark.skipif(load_extension("cpu_decoder") is None, reason="the C++ kernels are unavailable")
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    """``torch.ops.kilat_cpu_decoder``; the suite runs where a C++ compiler is present, so it must build."""
+    ops = load_extension("cpu_decoder")
+    if ops is None:
+        pytest.fail("the fused CPU decoder-layer kernel did not build (see the kilat log)")
+    return ops
 
 FUSED_CASES = ["llama-gqa-untied", "llama-mqa-tied-biases", "mistral-sliding-window", "qwen2-tied-qkv-bias",
                "qwen3-qk-norm-head-dim"]
@@ -35,12 +43,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
-def _run(model: torch.nn.Module, fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _run(model: torch.nn.Module, fused: bool | int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Two prompts (11 and 4 tokens), then 12 decode steps of both (contexts past the sliding window of 8 and across
-    blocks of 4): the decode steps' logits and the final KV caches."""
+    blocks of 4): the decode steps' logits and the final KV caches. ``fused``: every layer's fused op, none, or
+    (an int) only layer ``fused``'s."""
     saved = [layer.fused for layer in model.model.layers]
-    if not fused:
-        for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
+        if fused is False or (fused is not True and i != fused):
             layer.fused = None
     try:
         g = torch.Generator().manual_seed(2)
@@ -57,7 +66,7 @@ def _run(model: torch.nn.Module, fused: bool) -> tuple[torch.Tensor, list[torch.
             layer.fused = f
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_fused_decode_equals_python_forward(checkpoint: Path, quantization: str, dtype: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,6 +82,25 @@ def test_fused_decode_equals_python_forward(checkpoint: Path, quantization: str,
     assert torch.equal(fused_logits, python_logits)
     for a, b in zip(fused_kv, python_kv, strict=True):
         assert torch.equal(a, b)
+
+
+def test_fused_and_python_layers_mix(checkpoint: Path) -> None:
+    """A model whose layers do not all fuse (a multi-part or act-order projection) fuses the others, same results."""
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="bfloat16", quantization="int4"), "cpu")
+    mixed_logits, mixed_kv = _run(model, fused=1)
+    python_logits, python_kv = _run(model, fused=False)
+    assert torch.equal(mixed_logits, python_logits)
+    assert all(torch.equal(a, b) for a, b in zip(mixed_kv, python_kv, strict=True))
+
+
+def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
+    """The default served model (its Q4_1 GGUF in bfloat16): every layer fused, the same logits and cache."""
+    model, _, _ = get_model(ModelConfig(), "cpu")
+    assert all(layer.fused is not None for layer in model.model.layers)
+    fused_logits, fused_kv = _run(model, fused=True)
+    python_logits, python_kv = _run(model, fused=False)
+    assert torch.equal(fused_logits, python_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, python_kv, strict=True))
 
 
 def test_dense_weights_are_not_fused(checkpoint: Path) -> None:
@@ -91,7 +119,9 @@ def test_slot_outside_the_cache_is_an_error(checkpoint: Path) -> None:
             cos, sin, kv)
     ops = layer.fused._ops
     with pytest.raises(RuntimeError, match="slot_mapping must be in"):
-        ops.decoder_layer(x, None, *args, torch.tensor([8]), torch.tensor([0]), one, layer.self_attn.num_heads,
-                          0.125, 0)
+        ops.decoder_layer(x.expand(2, -1), None, *[a.expand(2, 1, -1) if a is cos or a is sin else a for a in args],
+                          torch.tensor([7, 8]), torch.tensor([0, 1]), torch.tensor([1, 1]),
+                          layer.self_attn.num_heads, 0.125, 0)
+    assert kv.abs().sum() == 0  # every slot is checked before the first write
     ops.decoder_layer(x, None, *args, torch.tensor([7]), torch.tensor([1]), one, layer.self_attn.num_heads, 0.125, 0)
     assert kv[0, 1, 3].abs().sum() > 0 and kv[0, 0].abs().sum() == 0

@@ -27,7 +27,9 @@ install_llama() {
     mkdir -p "$src"
     python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$src"
     tar xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
-    cp -r "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PEERS_DIR/llama.cpp"
+    rm -rf "$PEERS_DIR/llama.cpp.tmp"
+    cp -r "$src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PEERS_DIR/llama.cpp.tmp"
+    mv "$PEERS_DIR/llama.cpp.tmp" "$PEERS_DIR/llama.cpp"
   fi
   # Not -DGGML_NATIVE=ON: a VM may advertise AMX that dies with SIGILL, so AMX stays off and the x86 extensions
   # the CPU lists in /proc/cpuinfo are switched on one by one (AVX-512 with VNNI/BF16/VBMI only where present).

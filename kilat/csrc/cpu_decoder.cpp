@@ -19,6 +19,7 @@
 //   biases: one optional bias per projection. Without `residual` (the first layer) the residual is x itself.
 //   Token t is a decode at position seq_lens[t] - 1 whose key and value go to slot slot_mapping[t]
 //   (block * block_size + offset) before it attends its context.
+//   ready() -> whether the kernels it calls are registered with the signatures it uses.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -70,16 +71,19 @@ Tensor project(const Tensor& x, int i, const std::vector<Tensor>& weights, const
   return ops().gemm.call(x, weights[2 * i], weights[2 * i + 1], q[0], q[1], q[2], q[3], biases[i]);
 }
 
-// kv_cache[0 / 1] at slot slot_mapping[t] = key / value row t ([T, kvh, hd] views with a contiguous last dim).
+// kv_cache[0 / 1] at slot slot_mapping[t] = key / value row t ([T, kvh, hd] views with a contiguous last dim); every
+// slot is checked before the first write.
 void write_kv(const Tensor& key, const Tensor& value, const Tensor& kv_cache, const Tensor& slot_mapping) {
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2), row = heads * dim;
   const int64_t item = kv_cache.element_size();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot_mapping must be in [0, blocks * block_size)");
   char* base = static_cast<char*>(kv_cache.data_ptr());
   const int64_t plane = kv_cache.stride(0) * item;
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot_mapping must be in [0, blocks * block_size)");
     for (int which = 0; which < 2; ++which) {
       const Tensor& src = which == 0 ? key : value;
       char* dst = base + which * plane + slot[t] * row * item;
@@ -98,6 +102,8 @@ std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& resid
                                          const Tensor& seq_lens, int64_t num_heads, double scale,
                                          int64_t sliding_window) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU tensor [T, hidden]");
+  for (const Tensor* t : {&cos, &sin, &kv_cache, &slot_mapping, &block_ids, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "decoder_layer runs on the CPU: every tensor must be a CPU tensor");
   TORCH_CHECK(norms_in.size() == 2 || norms_in.size() == 4, "norms must hold 2 weights, or 4 with q/k norms");
   TORCH_CHECK(weights_in.size() == 8 && quant_in.size() == 16 && biases_in.size() == 4,
               "weights, quant and biases must describe the 4 projections (qkv, o, gate_up, down)");
@@ -146,9 +152,21 @@ std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& resid
   return {project(act, 3, weights, quant, biases), residual};
 }
 
+// Whether every kernel this op calls is registered with the signature it calls it with (checked once, at bind time,
+// so that a mismatch means the Python path instead of a failed step).
+bool ready() {
+  try {
+    ops();
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kilat_cpu_decoder, m) {
+  m.def("ready() -> bool", ready);
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] norms, float eps, Tensor[] weights, int[] quant, "
         "Tensor?[] biases, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, Tensor block_ids, "
         "Tensor seq_lens, int num_heads, float scale, int sliding_window) -> (Tensor, Tensor)",

@@ -61,7 +61,7 @@ QUANT_GEMM = Extension("quant_gemm", "kilat_quant", "KILAT_QUANT_KERNELS", "quan
 CPU_LAYERS = Extension("cpu_layers", "kilat_cpu", "KILAT_CPU_LAYERS", "CPU layer kernels", "rms_norm")
 CPU_ATTENTION = Extension("cpu_attention", "kilat_cpu_attn", "KILAT_CPU_ATTENTION", "CPU attention kernels",
                           "paged_decode")
-CPU_DECODER = Extension("cpu_decoder", "kilat_cpu_decoder", "KILAT_CPU_DECODER", "fused CPU decoder-layer kernel",
+CPU_DECODER = Extension("cpu_decoder", "kilat_cpu_decoder", "KILAT_CPU_DECODER", "fused CPU decoder-layer kernels",
                         "decoder_layer", requires=("quant_gemm", "cpu_layers", "cpu_attention"))
 EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION, CPU_DECODER)}
 
@@ -143,7 +143,10 @@ def load_extension(name: str) -> Any | None:
     if os.environ.get(ext.env, "auto") == "torch":
         logger.info("%s=torch: the %s are not used (torch path)", ext.env, ext.what)
         return None
-    if any(load_extension(required) is None for required in ext.requires):
+    missing = [required for required in ext.requires if load_extension(required) is None]
+    if missing:
+        logger.info("The %s are not used: they call the %s, which are unavailable", ext.what,
+                    ", ".join(EXTENSIONS[m].what for m in missing))
         return None
     ops = getattr(torch.ops, ext.namespace)
     if _loaded(ext):

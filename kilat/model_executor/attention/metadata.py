@@ -18,8 +18,9 @@ _MIN_GROUP = 8
 
 @dataclass
 class DecodePlan:
-    """A group of the step's decodes (requests with exactly one new token) of similar length, attended
-    together in one batched call.
+    """A group of the step's decodes (requests with exactly one new token), attended together in one batched
+    call: of similar length (:attr:`AttentionMetadata.decodes`, for the gather path) or all of them
+    (:attr:`AttentionMetadata.decode_batch`, for kernels that read the cache in place).
 
     Their context is gathered whole blocks at a time (one contiguous ``block_size`` run per index), which
     moves the same bytes as a per-slot gather in far fewer, larger copies; grouping by length keeps the

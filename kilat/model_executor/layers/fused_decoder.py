@@ -7,8 +7,8 @@ the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU
 for bit those of the layer's Python forward. It applies only where that forward would run exactly those kernels:
 every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the CPU, a
 step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the torch attention backend.
-Everything else (prefill chunks, dense or act-order weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python
-forward.
+Everything else (prefill chunks, dense, act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes
+the Python forward, layer by layer.
 """
 
 from __future__ import annotations
@@ -81,18 +81,20 @@ class FusedDecoderLayer:
               k_norm: RMSNorm | None = None) -> FusedDecoderLayer | None:
         """Bind a layer (its modules, after ``process_weights_after_loading``), or ``None`` when it cannot be fused:
         a projection without one packed weight, weights off the CPU, norms with different ``eps``, or the C++
-        extension unavailable (no compiler, ``KILAT_CPU_DECODER=torch``)."""
+        extension unavailable (no compiler, ``KILAT_CPU_DECODER=torch``, or the kernels it calls missing or with other
+        signatures: ``ready()`` is false). Layers bind one by one: a model may mix fused and Python layers (a GGUF
+        whose ``attn_v`` is Q6_K in a Q4_K file has a ``qkv_proj`` of several parts)."""
         norms = [input_layernorm, post_attention_layernorm] + ([q_norm, k_norm] if q_norm is not None else [])
         linears = (qkv_proj, o_proj, gate_up_proj, down_proj)
         packed = [linear.quant_method.packed_weight() for linear in linears]
-        if any(w is None or not w.qweight.is_cpu for w in packed) or len({n.eps for n in norms if n}) != 1:
+        if any(w is None or not w.qweight.is_cpu for w in packed) or len({n.eps for n in norms}) != 1:
             return None
         ops = load_extension("cpu_decoder")
-        if ops is None:
+        if ops is None or not ops.ready():
             return None
         weights = [t for w in packed for t in (w.qweight, w.scales)]
         quant = [v for w in packed for v in (w.bits, w.group_size, w.out_features, w.in_features)]
-        return cls(ops, [n.weight for n in norms if n], input_layernorm.eps, weights, quant,
+        return cls(ops, [n.weight for n in norms], input_layernorm.eps, weights, quant,
                    [linear.bias for linear in linears], attn)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -172,10 +172,10 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(positions)
         residual = None
         batch: DecodeBatch | None = None
-        if all(layer.fused is not None for layer in self.layers):
+        if any(layer.fused is not None for layer in self.layers):
             batch = decode_batch(x)
-        for layer in self.layers:
-            if batch is not None:
+        for layer in self.layers:  # a fused layer and its Python forward give the same (x, residual)
+            if batch is not None and layer.fused is not None:
                 x, residual = layer.fused(x, residual, cos, sin, batch)
             else:
                 x, residual = layer(x, residual, cos, sin)
