@@ -101,6 +101,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+#ifdef KILAT_AVX2
+// s[0:4] = the horizontal sums of acc[0:4], in one hadd tree.
+inline void store_sums4(const __m256 acc[4], float* s) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+#endif
+
 // s[j] = dot(q, k + j * dim, dim) for j < n. On AVX2, four keys at a time: four independent FMA chains, their
 // horizontal sums in one hadd tree (the same products, summed in another order than dot's).
 inline void dots(const float* q, const float* k, int64_t n, int64_t dim, float* s) {
@@ -113,8 +121,7 @@ inline void dots(const float* q, const float* k, int64_t n, int64_t dim, float* 
         const __m256 qv = _mm256_loadu_ps(q + i);
         for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + r) * dim + i), acc[r]);
       }
-      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      store_sums4(acc, s + j);
     }
   }
 #endif
@@ -263,6 +270,12 @@ struct Problem {
     end = seq_lens[d];
     begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
   }
+
+  // Offset (elements) of the key row at position pos of decode d's KV head h; its value row is `values` further.
+  int64_t key_row(int64_t d, int64_t h, int64_t pos) const {
+    const int64_t block = block_ids[d * num_blocks + pos / block_size];
+    return ((block * block_size + pos % block_size) * kv_heads + h) * dim;
+  }
 };
 
 // Softmax state of one item's `group` query heads over some keys, float32 [group * (dim + 2)]: running maxima m
@@ -274,6 +287,13 @@ struct State {
   float* acc;
   State(float* base, const Problem& p) : m(base), l(base + p.group), acc(base + 2 * p.group) {}
   static int64_t size(const Problem& p) { return p.group * (p.dim + 2); }
+
+  // Back to the state that saw no key.
+  void reset(const Problem& p) {
+    std::fill(m, m + p.group, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + p.group, 0.f);
+    std::fill(acc, acc + p.group * p.dim, 0.f);
+  }
 };
 
 // Per-thread scratch: the item's queries (float32, times scale), one tile's keys, values and scores, an output row.
@@ -297,15 +317,11 @@ template <typename T>
 void attend(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
             State st) {
   const int64_t dim = p.dim;
-  std::fill(st.m, st.m + p.group, -std::numeric_limits<float>::infinity());
-  std::fill(st.l, st.l + p.group, 0.f);
-  std::fill(st.acc, st.acc + p.group * dim, 0.f);
+  st.reset(p);
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
     for (int64_t j = 0; j < n; ++j) {  // each key and value row read and converted once for the whole group
-      const int64_t pos = t0 + j;
-      const int64_t block = p.block_ids[d * p.num_blocks + pos / p.block_size];
-      const int64_t row = ((block * p.block_size + pos % p.block_size) * p.kv_heads + h) * dim;
+      const int64_t row = p.key_row(d, h, t0 + j);
       to_float(cache + row, &sc.k[j * dim], dim);
       to_float(cache + p.values + row, &sc.v[j * dim], dim);
     }
@@ -328,17 +344,13 @@ template <typename T, int G>
 void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
                  State st) {
   const int64_t dim = p.dim;
-  std::fill(st.m, st.m + G, -std::numeric_limits<float>::infinity());
-  std::fill(st.l, st.l + G, 0.f);
-  std::fill(st.acc, st.acc + G * dim, 0.f);
+  st.reset(p);
   const T* krow[kTile];
   const T* vrow[kTile];
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = t0 + j;
-      const int64_t block = p.block_ids[d * p.num_blocks + pos / p.block_size];
-      krow[j] = cache + ((block * p.block_size + pos % p.block_size) * p.kv_heads + h) * dim;
+      krow[j] = cache + p.key_row(d, h, t0 + j);
       vrow[j] = krow[j] + p.values;
     }
     float* s = sc.s.data();  // [G, kTile]
@@ -352,10 +364,7 @@ void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t
           const __m256 kv = load8(krow[j + r] + i);
           for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(&sc.q[g * dim + i]), kv, acc[g][r]);
         }
-      for (int g = 0; g < G; ++g) {
-        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
-        _mm_storeu_ps(s + g * kTile + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-      }
+      for (int g = 0; g < G; ++g) store_sums4(acc[g], s + g * kTile + j);
     }
     for (; j < n; ++j) {
       __m256 acc[G];

@@ -29,7 +29,6 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 namespace {
 
@@ -41,22 +40,21 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// The called ops' C++ signatures (their schemas are in the files named above).
+using RmsNorm = Tensor(const Tensor&, const Tensor&, double);
+using AddRmsNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double);
+using Rotary = Tensor(const Tensor&, const Tensor&, const Tensor&);
+using SiluAndMul = Tensor(const Tensor&);
+using Gemm = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, const OptTensor&);
+using PagedDecode = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t);
+
 struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
-      op<Tensor(const Tensor&, const Tensor&, double)>("kilat_cpu::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>
-      add_rms_norm = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>(
-          "kilat_cpu::add_rms_norm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary =
-      op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("kilat_cpu::rotary");
-  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul = op<Tensor(const Tensor&)>("kilat_cpu::silu_and_mul");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t,
-                                  const OptTensor&)>
-      gemm = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t,
-                       const OptTensor&)>("kilat_quant::gemm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t)>
-      paged_decode = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t)>(
-          "kilat_cpu_attn::paged_decode");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("kilat_cpu::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("kilat_cpu::add_rms_norm");
+  c10::TypedOperatorHandle<Rotary> rotary = op<Rotary>("kilat_cpu::rotary");
+  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = op<SiluAndMul>("kilat_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<Gemm> gemm = op<Gemm>("kilat_quant::gemm");
+  c10::TypedOperatorHandle<PagedDecode> paged_decode = op<PagedDecode>("kilat_cpu_attn::paged_decode");
 };
 
 const Ops& ops() {
@@ -65,10 +63,10 @@ const Ops& ops() {
 }
 
 // y = x @ W.T + b of projection i (0 qkv, 1 o, 2 gate_up, 3 down).
-Tensor project(const Tensor& x, int i, const std::vector<Tensor>& weights, const std::vector<int64_t>& quant,
-               const std::vector<OptTensor>& biases) {
+Tensor project(const Tensor& x, int i, at::TensorList weights, at::IntArrayRef quant,
+               const c10::List<OptTensor>& biases) {
   const int64_t* q = &quant[4 * i];
-  return ops().gemm.call(x, weights[2 * i], weights[2 * i + 1], q[0], q[1], q[2], q[3], biases[i]);
+  return ops().gemm.call(x, weights[2 * i], weights[2 * i + 1], q[0], q[1], q[2], q[3], biases.get(i));
 }
 
 // kv_cache[0 / 1] at slot slot_mapping[t] = key / value row t ([T, kvh, hd] views with a contiguous last dim); every
@@ -95,17 +93,17 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& kv_cache, co
   }
 }
 
-std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& residual_in, at::TensorList norms_in,
-                                         double eps, at::TensorList weights_in, at::IntArrayRef quant_in,
-                                         const c10::List<OptTensor>& biases_in, const Tensor& cos, const Tensor& sin,
+std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& residual_in, at::TensorList norms,
+                                         double eps, at::TensorList weights, at::IntArrayRef quant,
+                                         const c10::List<OptTensor>& biases, const Tensor& cos, const Tensor& sin,
                                          const Tensor& kv_cache, const Tensor& slot_mapping, const Tensor& block_ids,
                                          const Tensor& seq_lens, int64_t num_heads, double scale,
                                          int64_t sliding_window) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU tensor [T, hidden]");
   for (const Tensor* t : {&cos, &sin, &kv_cache, &slot_mapping, &block_ids, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "decoder_layer runs on the CPU: every tensor must be a CPU tensor");
-  TORCH_CHECK(norms_in.size() == 2 || norms_in.size() == 4, "norms must hold 2 weights, or 4 with q/k norms");
-  TORCH_CHECK(weights_in.size() == 8 && quant_in.size() == 16 && biases_in.size() == 4,
+  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms must hold 2 weights, or 4 with q/k norms");
+  TORCH_CHECK(weights.size() == 8 && quant.size() == 16 && biases.size() == 4,
               "weights, quant and biases must describe the 4 projections (qkv, o, gate_up, down)");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.scalar_type() == x.scalar_type(),
@@ -113,11 +111,6 @@ std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& resid
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == x.size(0),
               "slot_mapping must be contiguous int64 [T]");
-  const std::vector<Tensor> norms(norms_in.begin(), norms_in.end());
-  const std::vector<Tensor> weights(weights_in.begin(), weights_in.end());
-  const std::vector<int64_t> quant(quant_in.begin(), quant_in.end());
-  std::vector<OptTensor> biases;
-  for (const OptTensor& b : biases_in) biases.push_back(b);
   const int64_t tokens = x.size(0), kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   const int64_t q_size = num_heads * dim, kv_size = kv_heads * dim;
   TORCH_CHECK(quant[2] == q_size + 2 * kv_size, "qkv_proj must have num_heads * head_dim + 2 * kv size outputs");

@@ -11,7 +11,8 @@
 // same loops on 256-bit vectors (two per row block); others use the portable loops (same arithmetic). 16-bit x on
 // CPUs with AVX512-VNNI or AVX2 takes an integer path instead (x as exact-or-nearly 16-bit integers per block, exact
 // int32 dot products: gemm_block_vnni with vpdpbusd; on AVX2 gemm_block_int with vpmaddubsw for 4-bit weights (DotU8)
-// and vpmaddwd for 8-bit ones (DotI16); all give the same integers, so the same outputs). Threads: at::parallel_for over row blocks, so torch's intra-op thread count.
+// and vpmaddwd for 8-bit ones (DotI16); all give the same integers, so the same outputs). Threads: at::parallel_for
+// over row blocks, so torch's intra-op thread count.
 //
 // Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
@@ -107,8 +108,9 @@ inline float scale_at(const S* sz, const Layout& l, int64_t blk, int64_t g, int 
 // per group. With `split` (16-bit x on a CPU with an integer path) instead of xf: each block of `xblock` columns of a
 // row as v = x / xscale, xscale a power of two with |v| <= 32639, v rounded to an integer (exact for bfloat16 values
 // within 2^6 of the block's largest; the error is at most 1/32639 of that largest); with AVX512-VNNI split as
-// v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4]; with AVX2 as int16 xv [M, Kp] and,
-// for 4-bit weights, also as xh, xl; xscale [M, Kp / xblock]; with AVX512-VNNI vsum [M, Kp / xblock] the sums of v (the 8-bit weights' offset of 128).
+// v = 256 h + l, h and l int8, four columns per int32 word: xh, xl [M, Kp / 4]; with AVX2 the same xh, xl for 4-bit
+// weights and int16 xv [M, Kp] for 8-bit ones; xscale [M, Kp / xblock]; with AVX512-VNNI vsum [M, Kp / xblock] the
+// sums of v (the 8-bit weights' offset of 128).
 struct Activations {
   int64_t m, kp, xblock = 0;
   bool split = false;
@@ -206,10 +208,11 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
     a.xl.assign(a.m * a.kp / 4, 0);
     a.vsum.assign(a.m * a.kp / a.xblock, 0);
 #else
-    a.xv.assign(a.m * a.kp, 0);
     if (l.bits == 4) {
       a.xh.assign(a.m * a.kp / 4, 0);
       a.xl.assign(a.m * a.kp / 4, 0);
+    } else {
+      a.xv.assign(a.m * a.kp, 0);
     }
 #endif
   }
@@ -233,10 +236,16 @@ Activations prepare(const at::Tensor& x, const Layout& l, bool split) {
           a.xscale[m * blocks + b] = split_block(xm + b * a.xblock, a.xblock, h + b * a.xblock, lo + b * a.xblock,
                                                  &a.vsum[m * blocks + b]);
 #elif defined(KILAT_AVX2)
-        for (int64_t b = 0; b < blocks; ++b)
-          a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, &a.xv[m * a.kp + b * a.xblock]);
-        if (l.bits == 4) split_v16(&a.xv[m * a.kp], a.kp, reinterpret_cast<int8_t*>(&a.xh[m * a.kp / 4]),
-                                   reinterpret_cast<int8_t*>(&a.xl[m * a.kp / 4]));
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = m * a.kp + b * a.xblock;
+          if (l.bits == 8) {
+            a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, &a.xv[at]);
+            continue;
+          }
+          int16_t v[32];  // 4-bit weights take v only as its h, l bytes
+          a.xscale[m * blocks + b] = v16_block(xm + b * a.xblock, a.xblock, v);
+          split_v16(v, a.xblock, reinterpret_cast<int8_t*>(a.xh.data()) + at, reinterpret_cast<int8_t*>(a.xl.data()) + at);
+        }
 #endif
       }
     });

@@ -221,12 +221,15 @@ class AttentionMetadata:
             raise RuntimeError("this metadata has no host batch (CUDA-graph buffers); plans need one")
         return self.host
 
+    def _decode_requests(self) -> list[int]:
+        """Indices of the requests with exactly one new token (the decodes), in batch order."""
+        return [r for r, q in enumerate(self.require_host().query_lens) if q == 1]
+
     @property
     def decodes(self) -> list[DecodePlan]:
         """The decodes in length groups, one :class:`DecodePlan` each (empty when there are none)."""
         def plan() -> list[DecodePlan]:
-            host = self.require_host()
-            decodes = [r for r, q in enumerate(host.query_lens) if q == 1]
+            host, decodes = self.require_host(), self._decode_requests()
             if not decodes:
                 return []
             return DecodePlan.build_groups(decodes, host.seq_lens, host.block_table, host.query_start_loc,
@@ -238,8 +241,7 @@ class AttentionMetadata:
         """Every decode as one :class:`DecodePlan`, in batch order (``None`` when there are none): for kernels
         that read each context in place, where grouping by length saves nothing."""
         def plan() -> DecodePlan | None:
-            host = self.require_host()
-            decodes = [r for r, q in enumerate(host.query_lens) if q == 1]
+            host, decodes = self.require_host(), self._decode_requests()
             if not decodes:
                 return None
             return DecodePlan.build(decodes, host.seq_lens, host.block_table, host.query_start_loc, self.block_size,
