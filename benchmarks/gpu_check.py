@@ -151,7 +151,7 @@ def attention_case(query_lens: list[int], seq_lens: list[int], heads: tuple[int,
         backend = get_attention_backend(name)
         c = cache.clone()
         backend.write_kv(c, k, v, md.slot_mapping)
-        outs.append(backend.paged_attention(q, k, v, c, md, head_dim ** -0.5, window).float())
+        outs.append(backend.forward(q, k, v, c, backend.build_metadata(md), head_dim ** -0.5, window).float())
     return float((outs[0] - outs[1]).abs().max())
 
 
@@ -233,8 +233,9 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
     q = torch.randn(batch, num_heads, hd, device=dev, dtype=torch.bfloat16)
     for name in ("torch", "triton"):
         backend = get_attention_backend(name)
+        step = backend.build_metadata(md)
         timings.append({"op": f"decode_attention_{name}", "batch": batch, "context": context,
-                        "us": time_us(lambda b=backend: b.paged_attention(q, None, None, cache, md, 0.1), iters)})
+                        "us": time_us(lambda b=backend, m=step: b.forward(q, None, None, cache, m, 0.1), iters)})
     bandwidth = measure_bandwidth(1 << (24 if args.smoke else 30), device=dev)
     return {"correctness": correctness, "all_pass": all(c["pass"] for c in correctness), "timings": timings,
             "measured_bandwidth_gbps": bandwidth / 1e9}

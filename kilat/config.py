@@ -28,7 +28,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 MAX_ENGINE_CORE_RESTARTS = 3
 """Default for the most restarts of a dead engine core in a row (``AsyncLLM``, ``kilat serve``)."""
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 """``kv_cache_dtype`` values (vLLM's names; ``fp8`` is ``fp8_e4m3``)."""
 
@@ -179,8 +179,10 @@ class ExecutionConfig:
     """How the model's steps are executed.
 
     Attributes:
-        attention_backend: ``"auto"`` (Triton on CUDA when installed, else the torch reference), ``"torch"``
-            or ``"triton"`` (off CUDA only under ``TRITON_INTERPRET=1``, for tests).
+        attention_backend: ``"auto"`` (the fastest available: Triton on CUDA when installed, the C++ ``"cpu"``
+            backend on the CPU when its kernels build and the cache is in the model dtype, else the torch
+            reference), ``"torch"``, ``"cpu"`` or ``"triton"`` (off CUDA only under ``TRITON_INTERPRET=1``, for
+            tests); see :mod:`kilat.model_executor.attention.backends`.
         enforce_eager: never capture CUDA graphs (by default decode steps replay graphs captured for batch
             sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` on CUDA with a graphable backend).
     """
@@ -392,7 +394,8 @@ class EngineArgs:
         from kilat.model_executor.attention.backends import resolve_attention_backend
         from kilat.model_executor.attention.kv_cache import check_kv_cache_dtype
 
-        backend = resolve_attention_backend(self.attention_backend, device)  # refuse an unusable one before loading
+        # refuse an unusable backend before loading
+        backend = resolve_attention_backend(self.attention_backend, device, self.kv_cache_dtype)
         self._warn_ignored(device)
         self._check_max_model_len()
 

@@ -7,7 +7,7 @@ import math
 import torch
 
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
-from kilat.model_executor.attention.backends import TORCH_BACKEND, AttentionBackend
+from kilat.model_executor.attention.backends import AttentionBackend, get_attention_backend
 
 
 def block_tables(seq_lens: list[int], block_size: int, generator: torch.Generator) -> tuple[list[list[int]], int]:
@@ -58,8 +58,8 @@ def paged_contexts(seq_lens: list[int], query_lens: list[int], num_kv_heads: int
 
 def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
                        window: int | None = None, head_dim: int = 16, seed: int = 0, block_size: int = 4,
-                       backend: AttentionBackend = TORCH_BACKEND, dtype: torch.dtype = torch.float32) -> None:
-    """Fill the cache with each request's context, run one step with ``backend``, compare every request to
+                       backend: AttentionBackend | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Fill the cache with each request's context, run one step with ``backend`` (default torch), compare each to
     :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16."""
     g = torch.Generator().manual_seed(seed)
     kv_cache, tables, full_k, full_v = paged_contexts(seq_lens, query_lens, num_kv_heads, head_dim, dtype, block_size,
@@ -70,8 +70,9 @@ def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: in
     value = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
     scale = head_dim ** -0.5
 
+    backend = backend or get_attention_backend("torch")
     backend.write_kv(kv_cache, key, value, md.slot_mapping)
-    out = backend.paged_attention(query, key, value, kv_cache, md, scale, window)
+    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(md), scale, window)
 
     assert out.shape == query.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -1,4 +1,4 @@
-"""The torch reference paged-attention backend against naive dense causal attention."""
+"""The torch reference paged-attention backend (and its step plans) against naive dense causal attention."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from kilat.model_executor.attention import (
     Attention,
     AttentionMetadata,
+    StepPlans,
     allocate_kv_caches,
     kv_cache_bytes_per_block,
     paged_attention,
@@ -28,12 +29,14 @@ def test_metadata_build_slots_and_layout() -> None:
     assert md.slot_mapping.dtype == torch.int64 and md.slot_mapping.tolist() == [30, 31, 8, 24]
     assert (md.max_query_len, md.max_seq_len, md.num_decode_tokens) == (3, 9, 1)
     assert md.num_reqs == 2
-    (decode,) = md.decodes
+    plans = StepPlans(md)
+    (decode,) = plans.decodes
     assert decode.rows == slice(3, 4)  # the decode's one row, after the prefill's three
     # the decode's 9 positions span its 3 blocks, gathered whole: 12 keys, the last 3 masked out
     assert decode.block_ids.tolist() == [4, 0, 6] and decode.padded_len == 12
-    assert md.decode_mask()[0, 0, 0].tolist() == [True] * 9 + [False] * 3
-    assert [(p.start, p.end, p.context_len) for p in md.prefills] == [(0, 3, 2)]
+    assert plans.decode_mask()[0, 0, 0].tolist() == [True] * 9 + [False] * 3
+    assert [(p.start, p.end, p.context_len) for p in plans.prefills] == [(0, 3, 2)]
+    assert plans.decodes is plans.decodes  # each plan made once per step
 
 
 def test_metadata_rejects_bad_input() -> None:
@@ -62,10 +65,10 @@ def test_decodes_in_length_groups(window: int | None) -> None:
     query_lens = [1] * 24
     seq_lens[5:5] = [12, 30]
     query_lens[5:5] = [3, 30]
-    md = AttentionMetadata.build(query_lens, seq_lens, [[0] * 18] * 26, BLOCK_SIZE, "cpu")
-    assert len(md.decodes) >= 2 and sum(len(p.seq_lens) for p in md.decodes) == 24
-    assert all(len(p.seq_lens) >= 8 for p in md.decodes[:-1])
-    assert all(a.max_seq_len <= int(b.seq_lens.min()) for a, b in zip(md.decodes, md.decodes[1:], strict=False))
+    groups = StepPlans(AttentionMetadata.build(query_lens, seq_lens, [[0] * 18] * 26, BLOCK_SIZE, "cpu")).decodes
+    assert len(groups) >= 2 and sum(len(p.seq_lens) for p in groups) == 24
+    assert all(len(p.seq_lens) >= 8 for p in groups[:-1])
+    assert all(a.max_seq_len <= int(b.seq_lens.min()) for a, b in zip(groups, groups[1:], strict=False))
     run_attention_case(query_lens, seq_lens, 4, 2, window=window)
 
 
@@ -97,7 +100,7 @@ def test_bfloat16_decode_close_to_float32_reference() -> None:
     md = AttentionMetadata.build([10, 3], [10, 3], tables, BLOCK_SIZE, "cpu")
     q, k, v = (torch.randn(13, h, 16, generator=g) for h in (4, 2, 2))
     write_kv(kv_cache, k.bfloat16(), v.bfloat16(), md.slot_mapping)
-    out = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache, md, 0.25)
+    out = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache, StepPlans(md), 0.25)
     assert out.dtype == torch.bfloat16
     expected = torch.cat([naive_attention(q[:10], k[:10], v[:10], 0, 0.25, None),
                           naive_attention(q[10:], k[10:], v[10:], 0, 0.25, None)])

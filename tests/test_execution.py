@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kilat import LLM, EngineArgs, SamplingParams
-from kilat.model_executor.attention.backends import resolve_attention_backend
+from kilat.model_executor.attention import cpu_backend
+from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
 from kilat.model_executor.cuda_graphs import capture_sizes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,13 +28,32 @@ def test_capture_sizes() -> None:
 
 
 def test_attention_backend_choice() -> None:
-    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cpu") == "cpu"  # the C++ kernels build here (CI has a compiler)
+    assert resolve_attention_backend("auto", "cpu", "int8") == "torch"  # the cpu backend reads no int8 cache
+    assert resolve_attention_backend("cpu", "cpu") == "cpu"
     assert resolve_attention_backend("torch", "cuda") == "torch"
     assert resolve_attention_backend("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 (conftest)
     config = EngineArgs(attention_backend="triton", enforce_eager=True).create_engine_config()
     assert (config.execution.attention_backend, config.execution.enforce_eager) == ("triton", True)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineArgs(attention_backend="flash").create_engine_config()
+
+
+def test_cpu_backend_refusals_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+                                           ) -> None:
+    with pytest.raises(ValueError, match="cpu.*kv_cache_dtype"):
+        resolve_attention_backend("cpu", "cpu", "int8")
+    with pytest.raises(ValueError, match="cpu.*runs on cpu, not cuda"):
+        resolve_attention_backend("cpu", "cuda")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):  # refused before any weights load
+        EngineArgs(attention_backend="cpu", kv_cache_dtype="int8").create_engine_config()
+    monkeypatch.setattr(cpu_backend, "cpu_attention_ops", lambda: None)  # as on a machine without a compiler
+    with caplog.at_level(logging.WARNING, logger="kilat"):
+        assert resolve_attention_backend("auto", "cpu") == "torch"
+        assert resolve_attention_backend("cpu", "cpu") == "torch"
+    assert caplog.text.count("attention backend cpu unavailable") == 2
+    with pytest.raises(ValueError, match="attention_backend must be one of .*, got 'flash'"):
+        get_attention_backend("flash")
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import torch
 from kilat import LLM, SamplingParams
 from kilat.config import CacheConfig, EngineArgs
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, allocate_kv_scales
-from kilat.model_executor.attention.backends import TORCH_BACKEND, AttentionBackend, get_attention_backend
+from kilat.model_executor.attention.backends import AttentionBackend, get_attention_backend
 from kilat.model_executor.attention.kv_cache import (
     MIN_SCALE,
     check_kv_cache_dtype,
@@ -26,7 +26,7 @@ from tests.attention_utils import block_tables, naive_attention
 CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 """Mantissa bits and smallest normal exponent."""
-BACKENDS = [TORCH_BACKEND, get_attention_backend("triton")]
+BACKENDS = [get_attention_backend("torch"), get_attention_backend("triton")]
 FLOAT_ERROR = {torch.int8: 0.025, torch.float8_e4m3fn: 0.1, torch.float8_e5m2: 0.3}
 """Bound on |attention over the quantized cache - attention over the float keys/values| for unit-normal
 inputs (largest measured over the cases below: 0.013, 0.067, 0.20; each format's step is 2^-7, 2^-4, 2^-3)."""
@@ -121,7 +121,7 @@ def test_paged_attention_over_quantized_cache(backend: AttentionBackend, name: s
     key = torch.cat([k[s - q:] for k, s, q in zip(keys, seq_lens, query_lens, strict=True)])
     value = torch.cat([v[s - q:] for v, s, q in zip(values, seq_lens, query_lens, strict=True)])
     backend.write_kv(cache, key, value, md.slot_mapping, scales)
-    out = backend.paged_attention(query, key, value, cache, md, head_dim ** -0.5, None, scales)
+    out = backend.forward(query, key, value, cache, backend.build_metadata(md), head_dim ** -0.5, None, scales)
 
     starts = md.query_start_loc.tolist()
     for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -143,7 +143,7 @@ def test_bfloat16_model_over_int8_cache(backend: AttentionBackend) -> None:
     md = AttentionMetadata.build([9, 3], [9, 3], tables, 4, "cpu")
     q, k, v = (torch.randn(12, h, 16, generator=g).bfloat16() for h in (4, 2, 2))
     backend.write_kv(cache, k, v, md.slot_mapping, scales)
-    out = backend.paged_attention(q, k, v, cache, md, 0.25, None, scales)
+    out = backend.forward(q, k, v, cache, backend.build_metadata(md), 0.25, None, scales)
     assert out.dtype == torch.bfloat16
     expected = torch.cat([naive_attention(q[:9].float(), k[:9].float(), v[:9].float(), 0, 0.25, None),
                           naive_attention(q[9:].float(), k[9:].float(), v[9:].float(), 0, 0.25, None)])

@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from kilat.config import ModelConfig
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
+from kilat.model_executor.attention.backends import get_attention_backend
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.layers import Linear, RotaryEmbedding, apply_rotary, can_pack, rope_inv_freq
 from kilat.model_executor.loader import get_model, iterate_safetensors
@@ -76,10 +77,12 @@ def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 class _Sequences:
-    """Drives kilat's model over several steps with paged KV (shuffled, non-contiguous blocks)."""
+    """Drives kilat's model over several steps with paged KV (shuffled, non-contiguous blocks) and the attention
+    backend named ``backend``."""
 
-    def __init__(self, model: torch.nn.Module, total_lens: list[int], block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, total_lens: list[int], block_size: int, backend: str = "torch") -> None:
         self.model, self.block_size = model, block_size
+        self.backend = get_attention_backend(backend)
         counts = [math.ceil(n / block_size) for n in total_lens]
         num_blocks = sum(counts) + 2
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
@@ -96,7 +99,7 @@ class _Sequences:
                                      "cpu")
         input_ids = torch.cat([ids for _, ids, _ in chunks])
         positions = torch.cat([torch.arange(ctx, ctx + len(ids)) for _, ids, ctx in chunks])
-        with torch.inference_mode(), set_forward_context(ForwardContext(md, self.kv)):
+        with torch.inference_mode(), set_forward_context(ForwardContext(md, self.kv, self.backend)):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden)
         assert hidden.shape == (len(input_ids), self.model.config.hidden_size)

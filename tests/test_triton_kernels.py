@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches, paged_attention, write_kv
+from kilat.model_executor.attention import (
+    AttentionMetadata,
+    StepPlans,
+    allocate_kv_caches,
+    paged_attention,
+    write_kv,
+)
 from kilat.model_executor.attention.backends import get_attention_backend
 from kilat.model_executor.attention.triton_backend import PARTITION
 from kilat.model_executor.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul, triton_ops
@@ -88,11 +94,11 @@ def test_padded_decode_rows_are_zero_and_leave_others_unchanged() -> None:
                                max_seq_len=3 * PARTITION, block_size=4, num_decode_tokens=4)
     q, k, v = torch.randn(4, 4, 16, generator=g), torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
     TRITON.write_kv(cache, k, v, padded.slot_mapping)
-    out = TRITON.paged_attention(q, k, v, cache, padded, 0.25)
+    out = TRITON.forward(q, k, v, cache, TRITON.build_metadata(padded), 0.25)
     changed = (cache != before).view(2, -1, 32).any(-1).any(0).nonzero().flatten().tolist()
     assert changed == sorted(real.slot_mapping.tolist())
     assert torch.equal(out[2:], torch.zeros(2, 4, 16))
-    expected = paged_attention(q[:2], k[:2], v[:2], cache, real, 0.25)
+    expected = paged_attention(q[:2], k[:2], v[:2], cache, StepPlans(real), 0.25)
     torch.testing.assert_close(out[:2], expected, atol=1e-5, rtol=1e-5)
 
 

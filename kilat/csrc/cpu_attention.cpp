@@ -5,10 +5,11 @@
 // Work item: one (decode, KV head); its g = num_heads / num_kv_heads query heads are computed together, so each key
 // and value row is read (and converted to float32) once per item. Keys go in tiles of kTile with an online softmax
 // (FlashAttention-2, Dao 2023): scores, softmax and the weighted V sum in float32, the output rounded once to the
-// query dtype. When there are fewer items than threads and the context is long, an item's keys are split across
-// threads (flash-decoding) and the partial results merged by their log-sum-exp. AVX-512 (or AVX2 with FMA and F16C)
-// for the row conversions, dot products, exponentials and V sums where compiled in, portable loops otherwise (same
-// arithmetic up to summation order and the exponential's last bit).
+// query dtype. When the items share out badly over the threads (e.g. one decode's 3 KV heads on 2 threads) and the
+// context is long enough, each item's keys are split across threads (flash-decoding, see num_splits) and the partial
+// results merged by their log-sum-exp. AVX-512 (or AVX2 with FMA and F16C) for the row conversions, dot products,
+// exponentials and V sums where compiled in, portable loops otherwise (same arithmetic up to summation order and the
+// exponential's last bit).
 //
 // Op (namespace kilat_cpu_attn): paged_decode(query [D, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
 // block_ids int64 [D * nb], seq_lens int64 [D], scale, sliding_window) -> [D, H, hd] in the query dtype.
@@ -23,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -40,8 +42,7 @@
 namespace {
 
 constexpr int64_t kTile = 16;             // keys per online-softmax step
-constexpr int64_t kSplitMinKeys = 512;    // only contexts longer than this are split across threads
-constexpr int64_t kSplitMinChunk = 256;   // keys per split, at least
+constexpr int64_t kSplitMinChunk = 64;    // keys per split of the longest context, at least (see num_splits)
 
 // ------------------------------------------------------------------------------------- float32 vector helpers
 #ifdef KILAT_AVX512
@@ -340,9 +341,10 @@ void attend(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begi
 // tile's K and V rows (on AVX2 CPUs those conversions and stores took about half the time): each 8 values of a key or
 // value row are converted once, in a register, and used for all G heads. Scores of 4 keys x G heads in 4G independent
 // FMA chains, each head's 4 sums in one hadd tree; the V sums as attend's (per lane, key by key), 16 lanes at a time.
+// Not inlined: its registers then do not depend on the caller's loop (inlined in run's, it measured 1% slower).
 template <typename T, int G>
-void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
-                 State st) {
+__attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin,
+                                           int64_t end, Scratch& sc, State st) {
   const int64_t dim = p.dim;
   st.reset(p);
   const T* krow[kTile];
@@ -433,23 +435,34 @@ void finish(const Problem& p, float* parts, int64_t n_parts, int64_t d, int64_t 
   }
 }
 
-// Splits per item: 1, or (fewer items than threads, a long context) up to threads / items, >= kSplitMinChunk keys each.
+// Splits per item. Tasks go to threads in contiguous runs of ceil(tasks / threads), so unsplit items take
+// ceil(items / threads) item-times: 3 items on 2 threads take 2, one thread idle half of it. Splitting each item's keys
+// in s parts takes ceil(items * s / threads) / s (1.5 for 3 items in halves). Take the smallest s <= threads that
+// minimises it, with parts of the longest context at least kSplitMinChunk keys, and only when it saves more than 1/20:
+// splitting costs about that much (partial tiles, merges; and a thread left alone runs faster than two together). On
+// 2 threads, 15 and 21 items in halves gain 1/16 and 1/22 in theory, measured about 2% and -1%; 3 items, 1/4 and 15%.
 int64_t num_splits(const Problem& p) {
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads(), items = p.items();
   int64_t longest = 0;
   for (int64_t d = 0; d < p.decodes; ++d) {
     int64_t begin, end;
     p.keys(d, begin, end);
     longest = std::max(longest, end - begin);
   }
-  if (p.items() >= threads || longest <= kSplitMinKeys) return 1;
-  return std::max<int64_t>(1, std::min(threads / p.items(), (longest + kSplitMinChunk - 1) / kSplitMinChunk));
+  const auto units = [&](int64_t s) { return (items * s + threads - 1) / threads; };  // wall time, in 1/s items
+  int64_t best = 1;
+  for (int64_t s = 2; s <= std::min(threads, longest / kSplitMinChunk); ++s)
+    if (units(s) * best < units(best) * s) best = s;
+  return 20 * units(best) < 19 * units(1) * best ? best : 1;
 }
 
+// The tasks (item, split) in one parallel region; an item's output is written by the task that finishes its last
+// split (a counter per item; acq_rel so that task sees the other splits' states), not in a second region.
 template <typename T>
 void run(const Problem& p, const T* query, const T* cache, T* out) {
   const int64_t splits = num_splits(p);
   std::vector<float> states(p.items() * splits * State::size(p));
+  std::vector<std::atomic<int64_t>> done(splits > 1 ? p.items() : 0);  // value-initialised: 0
   auto part = [&](int64_t task) { return &states[task * State::size(p)]; };
   at::parallel_for(0, p.items() * splits, 1, [&](int64_t first, int64_t last) {
     Scratch sc(p);
@@ -462,14 +475,9 @@ void run(const Problem& p, const T* query, const T* cache, T* out) {
       const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
       load_queries(p, query, d, h, sc);
       attend_item(p, cache, d, h, lo, hi, sc, State(part(task), p));
-      if (splits == 1) finish(p, part(task), 1, d, h, out, sc.row.data());
+      if (splits == 1 || done[item].fetch_add(1, std::memory_order_acq_rel) == splits - 1)
+        finish(p, part(item * splits), splits, d, h, out, sc.row.data());
     }
-  });
-  if (splits == 1) return;
-  at::parallel_for(0, p.items(), 1, [&](int64_t first, int64_t last) {
-    Scratch sc(p);
-    for (int64_t item = first; item < last; ++item)
-      finish(p, part(item * splits), splits, item / p.kv_heads, item % p.kv_heads, out, sc.row.data());
   });
 }
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,10 +24,10 @@ class ForwardContext:
     """Everything an attention layer needs for one forward step.
 
     Attributes:
-        attn_metadata: the step's attention metadata (built once per step).
+        attn_metadata: the step's common attention metadata (built once per step).
         kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
             storage dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
-        backend: the attention kernels to run; ``None`` is the torch reference.
+        backend: the attention backend to run; ``None`` is the torch reference (see :attr:`attn_backend`).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels
             (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
         kv_scales: for an int8/fp8 cache, one float32 ``[2, num_blocks, block_size, num_kv_heads]`` tensor per
@@ -39,6 +39,24 @@ class ForwardContext:
     backend: AttentionBackend | None = None
     fused_kernels: bool = False
     kv_scales: list[torch.Tensor] | None = None
+    _backend_metadata: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        """The backend to run: :attr:`backend`, or the torch reference."""
+        if self.backend is not None:
+            return self.backend
+        from kilat.model_executor.attention.backends import get_attention_backend
+
+        return get_attention_backend("torch")
+
+    @property
+    def backend_metadata(self) -> Any:
+        """The backend's step metadata, built from :attr:`attn_metadata` by its ``build_metadata`` when the first
+        layer asks; every later layer of the step reads the same object."""
+        if self._backend_metadata is None:
+            self._backend_metadata = self.attn_backend.build_metadata(self.attn_metadata)
+        return self._backend_metadata
 
 
 _current: ForwardContext | None = None

@@ -22,7 +22,6 @@ from kilat.model_executor.attention import (
     kv_cache_storage_dtype,
 )
 from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
-from kilat.model_executor.attention.torch_ref import decode_kernels
 from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
@@ -63,8 +62,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.threads = ThreadGovernor(config.num_threads, config.frontend_pid) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
-        self.attn_backend = get_attention_backend(resolve_attention_backend(config.execution.attention_backend,
-                                                                            self.device))
+        self.attn_backend = get_attention_backend(resolve_attention_backend(
+            config.execution.attention_backend, self.device, config.cache.kv_cache_dtype))
         self.fused_kernels = self.device.type == "cuda" and self.attn_backend.name == "triton"
         model_max = max_position_embeddings(self.hf_config)
         self.max_model_len = config.model.max_model_len or model_max
@@ -91,8 +90,6 @@ class ModelRunner:
         self.kv_caches, self.kv_scales = self._allocate_kv(self.model, self.num_blocks)
         self.draft_kv_caches, self.draft_kv_scales = (None, None) if self.draft_model is None else \
             self._allocate_kv(self.draft_model, self.num_blocks)
-        if self.attn_backend.name == "torch":
-            decode_kernels(self.device, self.kv_scales)  # build or load the C++ decode attention now, not on a request
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
@@ -112,7 +109,8 @@ class ModelRunner:
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """``model``'s KV cache of ``num_blocks`` blocks in :attr:`kv_cache_dtype`, and its scales (or ``None``)."""
         shape = (model.num_layers, num_blocks, self.block_size, model.num_kv_heads)
-        return (allocate_kv_caches(*shape, model.head_dim, self.kv_cache_dtype, self.device),
+        return (allocate_kv_caches(*shape, model.head_dim, self.kv_cache_dtype, self.device,
+                                   self.attn_backend.kv_cache_shape),
                 allocate_kv_scales(*shape, self.kv_cache_dtype, self.device))
 
     def _load_draft_model(self) -> torch.nn.Module | None:

@@ -1,4 +1,5 @@
-"""Attention: per-step metadata, the paged KV cache, and the backends (torch reference, Triton)."""
+"""Attention: per-step metadata, the paged KV cache, and the backends (torch reference, CPU, Triton) behind one
+interface and a registry (:mod:`.backends`)."""
 
 from kilat.model_executor.attention.kv_cache import (
     allocate_kv_caches,
@@ -7,7 +8,8 @@ from kilat.model_executor.attention.kv_cache import (
     kv_cache_storage_dtype,
 )
 from kilat.model_executor.attention.layer import Attention
-from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan, PrefillPlan
+from kilat.model_executor.attention.metadata import AttentionMetadata
+from kilat.model_executor.attention.plans import DecodePlan, PrefillPlan, StepPlans
 from kilat.model_executor.attention.torch_ref import paged_attention, write_kv
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "AttentionMetadata",
     "DecodePlan",
     "PrefillPlan",
+    "StepPlans",
     "allocate_kv_caches",
     "allocate_kv_scales",
     "kv_cache_bytes_per_block",

@@ -1,37 +1,125 @@
-"""Attention backends: the torch reference (CPU, and the oracle) and Triton (CUDA), chosen per engine."""
+"""The attention-backend interface and the registry that resolves ``attention_backend``.
+
+A backend (the pattern of vLLM's attention backends and mini-sglang's backend registry) declares its name, the
+devices, model dtypes and KV-cache dtypes it serves, whether a decode step can be captured in a CUDA graph, the
+shape of its KV cache, and turns the step's common :class:`~kilat.model_executor.attention.metadata.AttentionMetadata`
+into its own step metadata (:meth:`AttentionBackend.build_metadata`, once per step); layers then call
+:meth:`AttentionBackend.write_kv` and :meth:`AttentionBackend.forward`. Backends register by name in
+:data:`REGISTRY` and are imported on first use:
+
+- ``torch``: plain torch (gather + SDPA), every device; the oracle of the others (:mod:`.torch_ref`).
+- ``cpu``: the C++ kernels that read the paged cache in place (:mod:`.cpu_backend`).
+- ``triton``: Triton kernels, CUDA (:mod:`.triton_backend`).
+
+``auto`` takes the first of :data:`AUTO_ORDER` that serves the device and KV-cache dtype and is available here.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
-import os
-from collections.abc import Callable
+import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from kilat.model_executor.attention import torch_ref
+from kilat.model_executor.attention.kv_cache import kv_cache_shape
+from kilat.model_executor.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("kilat")
+
+
+class AttentionBackend(ABC):
+    """One way to run paged attention; stateless (one instance per engine serves every layer).
+
+    Attributes:
+        name: its ``attention_backend`` name.
+        device_types: the torch device types it runs on.
+        dtypes: the model (query) dtypes it takes.
+        quantized_kv: whether it reads int8/fp8 KV caches (``kv_cache_dtype`` other than ``auto``).
+        graphable: whether a decode step can be captured in a CUDA graph (its launches depend only on tensor
+            shapes and ``metadata.max_seq_len``, and its step metadata needs no host batch).
+    """
+
+    name: ClassVar[str]
+    device_types: ClassVar[tuple[str, ...]]
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    quantized_kv: ClassVar[bool] = True
+    graphable: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why it cannot run on ``device`` here (a device type it does not serve, a missing package or kernel),
+        or ``None`` when it can. May build its kernels (the first call only)."""
+        if device.type not in cls.device_types:
+            return f"it runs on {' or '.join(cls.device_types)}, not {device.type}"
+        return None
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One layer's KV cache shape; by default :func:`~.kv_cache.kv_cache_shape` (``[2, num_blocks, block_size,
+        num_kv_heads, head_dim]``), which every backend here shares, so the oracle reads any backend's cache."""
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, common: AttentionMetadata) -> Any:
+        """This backend's metadata of one step, made from the common metadata once and read by every layer."""
+
+    @abstractmethod
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        """Store the step's new keys and values at their slots (quantized when ``kv_scales`` is given).
+
+        Args:
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, updated in place.
+            key, value: ``[num_new_tokens, num_kv_heads, head_dim]`` in the model dtype (last dim contiguous).
+            slot_mapping: int64 ``[num_new_tokens]`` (-1: a padding row, not written).
+            kv_scales: float32 ``[2, num_blocks, block_size, num_kv_heads]`` for an int8/fp8 cache, else ``None``.
+        """
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: Any, scale: float, sliding_window: int | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of every new token over its request's whole paged context, after :meth:`write_kv`.
+
+        Heads follow grouped-query attention (Ainslie et al., 2023): query head ``h`` reads KV head
+        ``h // (num_heads // num_kv_heads)``.
+
+        Args:
+            query: ``[num_new_tokens, num_heads, head_dim]``.
+            key, value: the step's new ``[num_new_tokens, num_kv_heads, head_dim]`` (a backend may read them
+                instead of the cache where that is exact).
+            kv_cache: this layer's cache.
+            metadata: what :meth:`build_metadata` made for this step.
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+            sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p`` (Mistral).
+            kv_scales: the scales of an int8/fp8 cache, else ``None``.
+
+        Returns:
+            ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
+        """
 
 
 @dataclass(frozen=True)
-class AttentionBackend:
-    """The two operations an attention layer calls, with the signatures of :mod:`.torch_ref`.
+class BackendEntry:
+    """Where a registered backend lives: ``module:Class``, imported on first use."""
 
-    Attributes:
-        name: ``"torch"`` or ``"triton"``.
-        write_kv: ``(kv_cache, key, value, slot_mapping, kv_scales=None) -> None``.
-        paged_attention: ``(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales=None) -> out``
-            (``kv_scales``: the scales of an int8/fp8 cache, :mod:`.kv_cache`).
-        graphable: whether a decode step can be captured in a CUDA graph (its launches depend only on
-            tensor shapes and ``metadata.max_seq_len``).
-    """
-
-    name: str
-    write_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    graphable: bool
+    target: str
 
 
-TORCH_BACKEND = AttentionBackend("torch", torch_ref.write_kv, torch_ref.paged_attention, graphable=False)
+REGISTRY: dict[str, BackendEntry] = {
+    "torch": BackendEntry("kilat.model_executor.attention.torch_ref:TorchBackend"),
+    "cpu": BackendEntry("kilat.model_executor.attention.cpu_backend:CPUBackend"),
+    "triton": BackendEntry("kilat.model_executor.attention.triton_backend:TritonBackend"),
+}
+"""Backends by ``attention_backend`` name."""
+
+AUTO_ORDER = ("triton", "cpu", "torch")
+"""``auto``'s preference, fastest first."""
 
 
 def triton_available() -> bool:
@@ -39,35 +127,73 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """Turn ``"auto"`` into ``"triton"`` on CUDA when Triton is installed, else ``"torch"``.
-
-    Args:
-        name: one of :data:`kilat.config.ATTENTION_BACKENDS` (validated by ``ExecutionConfig``).
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name`` (its module imported now).
 
     Raises:
-        ValueError: ``"triton"`` without the package, or off CUDA without ``TRITON_INTERPRET=1``.
+        ValueError: for a name not in :data:`REGISTRY`, or ``triton`` without the package.
     """
-    on_cuda = torch.device(device).type == "cuda"
-    if name == "auto":
-        return "triton" if on_cuda and triton_available() else "torch"
+    if name not in REGISTRY:
+        raise ValueError(f"attention_backend must be one of {('auto', *REGISTRY)}, got {name!r}")
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
-    if name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
-    return name
+    module, cls = REGISTRY[name].target.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
+@functools.cache
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend called ``name`` (``"torch"`` or ``"triton"``); imports Triton only when asked for.
+    """The (one, shared) instance of backend ``name``.
 
     Raises:
-        ValueError: for another name.
+        ValueError: as :func:`backend_class`.
     """
-    if name == "torch":
-        return TORCH_BACKEND
-    if name == "triton":
-        from kilat.model_executor.attention import triton_backend
+    return backend_class(name)()
 
-        return AttentionBackend("triton", triton_backend.write_kv, triton_backend.paged_attention, graphable=True)
-    raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")
+
+def _refusal(name: str, device: torch.device, quantized_kv: bool) -> str | None:
+    """Why backend ``name`` cannot serve ``device`` with this cache, or ``None``."""
+    if name == "triton" and not triton_available():
+        return "it needs the triton package (pip install triton)"
+    cls = backend_class(name)
+    reason = cls.unavailable(device)
+    if reason is None and quantized_kv and not cls.quantized_kv:
+        reason = "it does not read int8/fp8 KV caches (kv_cache_dtype)"
+    return reason
+
+
+def resolve_attention_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "auto") -> str:
+    """The backend to run for ``attention_backend`` = ``name`` on ``device`` with ``kv_cache_dtype``.
+
+    ``auto`` takes the first of :data:`AUTO_ORDER` that serves them (on the CPU the ``cpu`` backend when its C++
+    kernels build, else ``torch`` with a warning saying why). An explicit ``cpu`` whose kernels cannot be built
+    falls back to ``torch`` with a warning too (a machine without a compiler still serves).
+
+    Args:
+        name: ``"auto"`` or a name of :data:`REGISTRY` (validated by ``ExecutionConfig``).
+        device: the engine's device.
+        kv_cache_dtype: ``CacheConfig.kv_cache_dtype`` (``"auto"``: the model dtype).
+
+    Raises:
+        ValueError: an explicit backend that cannot serve the device or the cache dtype (naming why).
+    """
+    device = torch.device(device)
+    quantized_kv = kv_cache_dtype != "auto"
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if candidate == "triton" and not triton_available() or \
+                    device.type not in backend_class(candidate).device_types:
+                continue  # not for this device (so never Triton's interpreter: tests ask for it by name)
+            reason = _refusal(candidate, device, quantized_kv)
+            if reason is None:
+                return candidate
+            if candidate == "cpu" and device.type == "cpu" and not quantized_kv:
+                logger.warning("attention backend cpu unavailable (%s); using torch", reason)
+        raise ValueError(f"no attention backend serves device {device.type}")  # torch serves every device
+    reason = _refusal(name, device, quantized_kv)
+    if reason is not None and name == "cpu" and device.type == "cpu" and not quantized_kv:
+        logger.warning("attention backend cpu unavailable (%s); using torch", reason)
+        return "torch"
+    if reason is not None:
+        raise ValueError(f"attention_backend {name!r} cannot run here: {reason}")
+    return name

@@ -20,6 +20,8 @@ every quantized dtype, and keys beyond fp8's range (models with large key outlie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 KV_SCALE_DTYPE = torch.float32
@@ -88,14 +90,20 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
     return 2 * num_layers * block_size * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The layout above: ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (every backend's default)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+                       dtype: torch.dtype, device: torch.device | str,
+                       layout: Callable[[int, int, int, int], tuple[int, ...]] | None = None) -> list[torch.Tensor]:
     """Allocate one zero-filled KV cache tensor per layer.
 
-    Each tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the storage ``dtype`` on
-    ``device``; index 0 of the first dimension holds keys, 1 values. Zero-filled (not ``empty``) so that padded,
-    masked slots never hold NaN/inf garbage, which would leak through ``0 * NaN`` in the attention product. A
-    quantized ``dtype`` also needs :func:`allocate_kv_scales`.
+    Each tensor has the shape ``layout(num_blocks, block_size, num_kv_heads, head_dim)`` (the attention
+    backend's ``kv_cache_shape``; by default :func:`kv_cache_shape`) and the storage ``dtype``, on ``device``.
+    Zero-filled (not ``empty``) so that padded, masked slots never hold NaN/inf garbage, which would leak through
+    ``0 * NaN`` in the attention product. A quantized ``dtype`` also needs :func:`allocate_kv_scales`.
 
     Raises:
         ValueError: if any size is not positive.
@@ -105,7 +113,7 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     for name, value in sizes.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (layout or kv_cache_shape)(num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
@@ -127,7 +135,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, device: to
     ``float8e4nv`` / ``float8e5`` conversions).
 
     Args:
-        attention_backend: the resolved backend, ``"torch"`` or ``"triton"``.
+        attention_backend: the resolved backend's name.
 
     Raises:
         ValueError: naming ``kv_cache_dtype``.

@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kilat.model_executor.attention.backends import TORCH_BACKEND
 from kilat.model_executor.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
     """Paged causal self-attention of one decoder layer (no weights).
 
-    Reads the step's metadata, ``kv_caches[layer_idx]`` (with ``kv_scales[layer_idx]`` for a quantized cache)
-    and the backend from the forward context, writes the new K/V at ``slot_mapping`` and attends each new token
-    over its request's whole context.
+    Reads the backend, its step metadata, ``kv_caches[layer_idx]`` (with ``kv_scales[layer_idx]`` for a quantized
+    cache) from the forward context, writes the new K/V at ``slot_mapping`` and attends each new token over its
+    request's whole context.
 
     Args:
         layer_idx: index of this layer's KV cache in ``ForwardContext.kv_caches``.
@@ -50,10 +49,10 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
         kv_scales = None if ctx.kv_scales is None else ctx.kv_scales[self.layer_idx]
-        backend = ctx.backend or TORCH_BACKEND
+        backend = ctx.attn_backend
         backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping, kv_scales)
-        out = backend.paged_attention(query, key, value, kv_cache, ctx.attn_metadata, self.scale,
-                                      self.sliding_window, kv_scales)
+        out = backend.forward(query, key, value, kv_cache, ctx.backend_metadata, self.scale, self.sliding_window,
+                              kv_scales)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

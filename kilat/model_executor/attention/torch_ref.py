@@ -1,24 +1,42 @@
-"""The plain-torch reference attention backend over a paged KV cache.
+"""The plain-torch reference attention backend (``torch``) over a paged KV cache.
 
-It serves the CPU and is the oracle for faster backends. A step's decodes (requests with one new token)
-are attended together: one gather of their paged context and one ``scaled_dot_product_attention`` call,
-padded to the longest context with a key mask. On the CPU with an unquantized cache, decodes instead take
-the C++ kernel ``paged_decode`` (``kilat/csrc/cpu_attention.cpp``), which reads the paged cache in place;
-the gather + SDPA path stays as the fallback (``KILAT_CPU_ATTENTION=torch``, no compiler) and the oracle.
-Requests with several new tokens (prefill chunks) are attended one by one with the causal offset of their
-context.
+It runs on every device, reads every KV-cache dtype, and is the oracle of the faster backends. A step's decodes
+(requests with one new token) are attended in groups of similar length: one gather of their paged context and one
+``scaled_dot_product_attention`` call per group, padded to the group's longest context with a key mask. Requests
+with several new tokens (prefill chunks) are attended one by one with the causal offset of their context
+(:func:`attend_prefills`, which the CPU backend shares). Its step metadata is :class:`~.plans.StepPlans`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from kilat.model_executor.attention.backends import AttentionBackend
 from kilat.model_executor.attention.kv_cache import dequantize_kv, quantize_kv
-from kilat.model_executor.attention.metadata import AttentionMetadata, DecodePlan
-from kilat.model_executor.native import load_extension
+from kilat.model_executor.attention.metadata import AttentionMetadata
+from kilat.model_executor.attention.plans import DecodePlan, StepPlans
+
+
+class TorchBackend(AttentionBackend):
+    """``attention_backend="torch"``: :func:`write_kv` and :func:`paged_attention` over :class:`StepPlans`."""
+
+    name: ClassVar[str] = "torch"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def build_metadata(self, common: AttentionMetadata) -> StepPlans:
+        return StepPlans(common)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        write_kv(kv_cache, key, value, slot_mapping, kv_scales)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: StepPlans, scale: float, sliding_window: int | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -47,66 +65,48 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    plans: StepPlans, scale: float, sliding_window: int | None = None,
                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of every new token over its request's whole paged context.
+    """Causal attention of every new token over its request's whole paged context (gather + SDPA).
 
-    Call after :func:`write_kv` has stored this step's keys and values. Heads follow grouped-query attention
-    (Ainslie et al., 2023): query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. A quantized
-    cache is dequantized as it is gathered, new tokens included (they are read back from the cache, so every
-    backend attends the same stored values).
-
-    Args:
-        query: ``[num_new_tokens, num_heads, head_dim]``.
-        key, value: ``[num_new_tokens, num_kv_heads, head_dim]``, the step's new keys/values (used directly
-            for prefills without context in an unquantized cache, saving a gather).
-        kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
-        metadata: the step's :class:`AttentionMetadata`.
-        scale: softmax scale, usually ``head_dim ** -0.5``.
-        sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p`` (Mistral).
-        kv_scales: the scales of a quantized ``kv_cache`` (see :func:`write_kv`), else ``None``.
+    Call after :func:`write_kv` has stored this step's keys and values. A quantized cache is dequantized as it
+    is gathered, new tokens included (they are read back from the cache, so every backend attends the same
+    stored values). Arguments as :meth:`AttentionBackend.forward`, with the step's :class:`StepPlans`.
 
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
-    kernels = decode_kernels(query.device, kv_scales)
-    # The kernel reads each context in place: one call for every decode (the gather pads each group).
-    groups = metadata.decodes if kernels is None or not metadata.num_decode_tokens else [metadata.decode_batch]
-
-    def decode(i: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
-        if kernels is not None:
-            return kernels.paged_decode(q, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window or 0)
-        return _decode_attention(q, kv_cache, kv_scales, plan, metadata.decode_mask(i, sliding_window), scale)
-
-    if len(groups) == 1 and metadata.num_decode_tokens == query.shape[0]:
-        return decode(0, groups[0], query)
+    groups = plans.decodes
+    if len(groups) == 1 and plans.common.num_decode_tokens == query.shape[0]:
+        return _decode_attention(query, kv_cache, kv_scales, groups[0], plans.decode_mask(0, sliding_window), scale)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
-        out[plan.rows] = decode(i, plan, query[plan.rows])
+        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, kv_scales, plan,
+                                           plans.decode_mask(i, sliding_window), scale)
+    attend_prefills(query, key, value, kv_cache, plans, scale, sliding_window, kv_scales, out)
+    return out
+
+
+def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    plans: StepPlans, scale: float, sliding_window: int | None, kv_scales: torch.Tensor | None,
+                    out: torch.Tensor) -> None:
+    """Write into ``out`` the attention of each prefill chunk (a request with several new tokens): its new keys
+    when it has no context in an unquantized cache, else its context and new tokens gathered from the cache;
+    one SDPA call each with the causal offset of its context. Arguments as :func:`paged_attention`."""
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     scales = None if kv_scales is None else kv_scales.view(2, -1, kv_cache.shape[3])
-    for i, plan in enumerate(metadata.prefills):
+    for i, plan in enumerate(plans.prefills):
         if plan.slots is None and scales is None:
             k, v = key[plan.start:plan.end], value[plan.start:plan.end]
         else:
-            slots = metadata.slot_mapping[plan.start:plan.end] if plan.slots is None else plan.slots
+            slots = plans.common.slot_mapping[plan.start:plan.end] if plan.slots is None else plan.slots
             k, v = _gather(cache, scales, slots, query.dtype).unbind(0)
-        mask = metadata.prefill_mask(i, sliding_window)
+        mask = plans.prefill_mask(i, sliding_window)
         # 4-D [1, heads, len, head_dim]: on CPU only 4-D inputs take the flash kernel (3-D falls back to math).
         o = F.scaled_dot_product_attention(query[plan.start:plan.end].transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=True)
         out[plan.start:plan.end] = o[0].transpose(0, 1)
-    return out
-
-
-def decode_kernels(device: torch.device, kv_scales: torch.Tensor | None) -> Any | None:
-    """``torch.ops.kilat_cpu_attn`` (the C++ ``paged_decode``, built on the first call) for decodes on ``device``
-    over a cache with scales ``kv_scales``, or ``None`` where the gather + SDPA path runs (off the CPU, a quantized
-    cache, ``KILAT_CPU_ATTENTION=torch``, or the extension unavailable)."""
-    if device.type != "cpu" or kv_scales is not None:
-        return None
-    return load_extension("cpu_attention")
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype

@@ -11,10 +11,13 @@ need ``TRITON_INTERPRET=1`` (set before this module is imported), which is how t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import triton
 
+from kilat.model_executor.attention.backends import AttentionBackend
 from kilat.model_executor.attention.kv_cache import quant_max
 from kilat.model_executor.attention.metadata import AttentionMetadata
 from kilat.model_executor.attention.triton_kernels import (
@@ -33,6 +36,64 @@ _BLOCK_M = 64
 """Query rows (tokens × query heads of one KV head) per extend tile."""
 _UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 """Multiply in float32 copies under Triton's interpreter, whose 16-bit ``tl.dot`` is wrong."""
+
+
+@dataclass
+class TritonMetadata:
+    """The Triton backend's step metadata: the common metadata and, for extend steps, the query tiles (made on
+    the host once per step and tile size; a decode step needs none, so CUDA-graph buffers without a host batch
+    serve).
+
+    Attributes:
+        common: the step's :class:`AttentionMetadata`.
+    """
+
+    common: AttentionMetadata
+    _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def extend_tiles(self, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiles of at most ``tile_tokens`` new tokens: (request index, first new token), int32 ``[num_tiles]``.
+
+        Raises:
+            RuntimeError: for CUDA-graph metadata (no host batch).
+        """
+        if tile_tokens not in self._tiles:
+            reqs, starts = [], []
+            for r, q in enumerate(self.common.require_host().query_lens):
+                for first in range(0, q, tile_tokens):
+                    reqs.append(r)
+                    starts.append(first)
+            device = self.common.slot_mapping.device
+            self._tiles[tile_tokens] = (torch.tensor(reqs, dtype=torch.int32, device=device),
+                                        torch.tensor(starts, dtype=torch.int32, device=device))
+        return self._tiles[tile_tokens]
+
+
+class TritonBackend(AttentionBackend):
+    """``attention_backend="triton"``: :func:`write_kv` and :func:`paged_attention` (CUDA; on the CPU only
+    under ``TRITON_INTERPRET=1``, for tests)."""
+
+    name: ClassVar[str] = "triton"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    graphable: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter: tests on the CPU
+            return None
+        return "it needs a CUDA device (or TRITON_INTERPRET=1, for tests)"
+
+    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
+        return TritonMetadata(common)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        write_kv(kv_cache, key, value, slot_mapping, kv_scales)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonMetadata, scale: float, sliding_window: int | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales)
 
 
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -72,17 +133,17 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    metadata: TritonMetadata, scale: float, sliding_window: int | None = None,
                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context.
 
-    The signature of :func:`kilat.model_executor.attention.torch_ref.paged_attention`; ``key`` and ``value``
-    are unused (the kernels read the cache, already written by :func:`write_kv`).
+    :meth:`AttentionBackend.forward`; ``key`` and ``value`` are unused (the kernels read the cache, already
+    written by :func:`write_kv`).
 
     Args:
         query: ``[num_new_tokens, num_heads, head_dim]`` (last dimension contiguous).
         kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
-        metadata: the step's :class:`AttentionMetadata`.
+        metadata: the step's :class:`TritonMetadata`.
         scale: softmax scale.
         sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p``.
         kv_scales: the scales of an int8/fp8 ``kv_cache`` (see :func:`write_kv`), else ``None``.
@@ -94,8 +155,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.shape[0] == 0:
         return out
     cache = _PagedCache(kv_cache, kv_scales)
-    if metadata.max_query_len == 1:
-        _decode(query, cache, metadata, scale, sliding_window or NO_WINDOW, out)
+    if metadata.common.max_query_len == 1:
+        _decode(query, cache, metadata.common, scale, sliding_window or NO_WINDOW, out)
     else:
         _extend(query, cache, metadata, scale, sliding_window or NO_WINDOW, out)
     return out
@@ -137,28 +198,15 @@ def _decode(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PARTITION=PARTITION)
 
 
-def _extend_tiles(metadata: AttentionMetadata, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiles of at most ``tile_tokens`` new tokens: (request index, first new token), int32 ``[num_tiles]``."""
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
-        reqs, starts = [], []
-        for r, q in enumerate(metadata.require_host().query_lens):
-            for first in range(0, q, tile_tokens):
-                reqs.append(r)
-                starts.append(first)
-        device = metadata.slot_mapping.device
-        return (torch.tensor(reqs, dtype=torch.int32, device=device),
-                torch.tensor(starts, dtype=torch.int32, device=device))
-    return metadata.cached(("triton_tiles", tile_tokens), build)
-
-
-def _extend(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata, scale: float, window: int,
+def _extend(query: torch.Tensor, cache: _PagedCache, step: TritonMetadata, scale: float, window: int,
             out: torch.Tensor) -> None:
+    metadata = step.common
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
     block_m = max(_BLOCK_M, triton.next_power_of_2(group))
     tile_tokens = block_m // group
-    tile_req, tile_start = _extend_tiles(metadata, tile_tokens)
+    tile_req, tile_start = step.extend_tiles(tile_tokens)
     extend_kernel[(tile_req.shape[0], num_kv_heads)](
         query, *cache.pointers, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, tile_req,
         tile_start, out, scale, query.stride(0), query.stride(1), metadata.block_table.stride(0), *cache.strides,

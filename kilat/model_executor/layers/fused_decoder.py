@@ -6,7 +6,8 @@ to ``torch.ops.kilat_cpu_decoder.decoder_layer``, which calls the same kernels i
 the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs are bit
 for bit those of the layer's Python forward. It applies only where that forward would run exactly those kernels:
 every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the CPU, a
-step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the torch attention backend.
+step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention backend
+(whose ``paged_decode`` it calls).
 Everything else (prefill chunks, dense, act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes
 the Python forward, layer by layer.
 """
@@ -51,10 +52,10 @@ def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
     metadata = ctx.attn_metadata
     tokens = x.shape[0]
     if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
-            or ctx.fused_kernels or (ctx.backend is not None and ctx.backend.name != "torch") or metadata.host is None
+            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or metadata.host is None
             or metadata.num_decode_tokens != tokens or metadata.num_reqs != tokens):
         return None
-    plan = metadata.decode_batch
+    plan = ctx.backend_metadata.decode_batch
     return DecodeBatch(metadata.slot_mapping, plan.block_ids, plan.seq_lens)
 
 

@@ -1,0 +1,54 @@
+"""The attention-backend registry and the ``cpu`` backend in the whole engine against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from kilat import LLM, SamplingParams
+from kilat.model_executor.attention import AttentionMetadata, StepPlans
+from kilat.model_executor.attention.backends import AUTO_ORDER, REGISTRY, AttentionBackend, get_attention_backend
+from kilat.model_executor.attention.triton_backend import TritonMetadata
+
+
+def test_registry_names_classes_and_metadata() -> None:
+    md = AttentionMetadata.build([3, 1], [3, 9], [[0], [1, 2, 3]], 4, "cpu")
+    made = {}
+    for name in REGISTRY:
+        backend = get_attention_backend(name)
+        assert isinstance(backend, AttentionBackend) and backend.name == name
+        assert get_attention_backend(name) is backend  # one shared instance
+        assert backend.kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
+        made[name] = backend.build_metadata(md)
+        assert made[name].common is md
+    assert type(made["torch"]) is StepPlans and type(made["cpu"]) is StepPlans
+    assert type(made["triton"]) is TritonMetadata
+    assert set(AUTO_ORDER) == set(REGISTRY)
+    assert [n for n in REGISTRY if get_attention_backend(n).graphable] == ["triton"]
+    assert [n for n in REGISTRY if not get_attention_backend(n).quantized_kv] == ["cpu"]
+
+
+def test_cpu_backend_refuses_a_quantized_cache() -> None:
+    backend = get_attention_backend("cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        backend.forward(None, None, None, None, None, 1.0, None, kv_scales=object())
+
+
+def test_engine_greedy_float32_equal_on_cpu_backend(tiny_llama_dir: str) -> None:
+    """The whole engine on the ``cpu`` backend (``auto`` on this machine): chunked prefill (budget 24), a prefix
+    served from the prefix cache, mixed prefill/decode steps and preemption (a cache of 16 blocks of 8 for 4 requests
+    of ~75 tokens) give the torch backend's greedy float32 tokens."""
+    prefix = "The quick brown fox jumps over the lazy dog while the lightning strikes"
+    prompts = [prefix + " twice", "Hello", prefix + " again and again", "A longer prompt about paged attention"]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=16,
+                  max_num_batched_tokens=24, attention_backend=backend)
+        core = llm.engine.core
+        name = core.runner.attn_backend.name
+        assert name == ("torch" if backend == "torch" else "cpu")
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # cache the prefix
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert core.stats.prefix_cache_hits > 0 and core.scheduler.num_preemptions > 0
+    assert all(len(t) == 60 for t in outputs["cpu"])
+    assert outputs["cpu"] == outputs["torch"]
