@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kilat import LLM, SamplingParams
 from kilat.model_executor.attention import AttentionMetadata, StepPlans
-from kilat.model_executor.attention.backends import AUTO_ORDER, REGISTRY, AttentionBackend, get_attention_backend
+from kilat.model_executor.attention.backends import (
+    AUTO_ORDER,
+    REGISTRY,
+    AttentionBackend,
+    get_attention_backend,
+    resolve_attention_backend,
+)
 from kilat.model_executor.attention.triton_backend import TritonMetadata
 
 
@@ -16,6 +23,7 @@ def test_registry_names_classes_and_metadata() -> None:
     for name in REGISTRY:
         backend = get_attention_backend(name)
         assert isinstance(backend, AttentionBackend) and backend.name == name
+        assert backend.device_types == REGISTRY[name].device_types
         assert get_attention_backend(name) is backend  # one shared instance
         assert backend.kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
         made[name] = backend.build_metadata(md)
@@ -27,7 +35,11 @@ def test_registry_names_classes_and_metadata() -> None:
     assert [n for n in REGISTRY if not get_attention_backend(n).quantized_kv] == ["cpu"]
 
 
-def test_cpu_backend_refuses_a_quantized_cache() -> None:
+def test_cpu_backend_refuses_a_quantized_cache_and_other_model_dtypes() -> None:
+    with pytest.raises(ValueError, match="cpu.*does not take torch.float64 models"):
+        resolve_attention_backend("cpu", "cpu", "auto", torch.float64)
+    with pytest.raises(ValueError, match="no attention backend serves"):  # none takes float64 models
+        resolve_attention_backend("auto", "cpu", "auto", torch.float64)
     backend = get_attention_backend("cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         backend.forward(None, None, None, None, None, 1.0, None, kv_scales=object())

@@ -63,7 +63,7 @@ class ModelRunner:
         self.threads = ThreadGovernor(config.num_threads, config.frontend_pid) if self.device.type == "cpu" else None
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
         self.attn_backend = get_attention_backend(resolve_attention_backend(
-            config.execution.attention_backend, self.device, config.cache.kv_cache_dtype))
+            config.execution.attention_backend, self.device, config.cache.kv_cache_dtype, self.dtype))
         self.fused_kernels = self.device.type == "cuda" and self.attn_backend.name == "triton"
         model_max = max_position_embeddings(self.hf_config)
         self.max_model_len = config.model.max_model_len or model_max

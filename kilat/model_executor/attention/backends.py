@@ -7,7 +7,7 @@ into its own step metadata (:meth:`AttentionBackend.build_metadata`, once per st
 :meth:`AttentionBackend.write_kv` and :meth:`AttentionBackend.forward`. Backends register by name in
 :data:`REGISTRY` and are imported on first use:
 
-- ``torch``: plain torch (gather + SDPA), every device; the oracle of the others (:mod:`.torch_ref`).
+- ``torch``: plain torch (gather + SDPA), CPU and CUDA; the oracle of the others (:mod:`.torch_ref`).
 - ``cpu``: the C++ kernels that read the paged cache in place (:mod:`.cpu_backend`).
 - ``triton``: Triton kernels, CUDA (:mod:`.triton_backend`).
 
@@ -37,8 +37,9 @@ class AttentionBackend(ABC):
 
     Attributes:
         name: its ``attention_backend`` name.
-        device_types: the torch device types it runs on.
-        dtypes: the model (query) dtypes it takes.
+        device_types: the torch device types it runs on (its :data:`REGISTRY` entry says the same, so that
+            ``auto`` need not import a backend that is not for the device).
+        dtypes: the model (query) dtypes it takes (checked when the model runner resolves it).
         quantized_kv: whether it reads int8/fp8 KV caches (``kv_cache_dtype`` other than ``auto``).
         graphable: whether a decode step can be captured in a CUDA graph (its launches depend only on tensor
             shapes and ``metadata.max_seq_len``, and its step metadata needs no host batch).
@@ -106,15 +107,17 @@ class AttentionBackend(ABC):
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """Where a registered backend lives: ``module:Class``, imported on first use."""
+    """A registered backend: where it lives (``module:Class``, imported on first use) and the device types it
+    runs on (its class's ``device_types``, known here without importing it)."""
 
     target: str
+    device_types: tuple[str, ...]
 
 
 REGISTRY: dict[str, BackendEntry] = {
-    "torch": BackendEntry("kilat.model_executor.attention.torch_ref:TorchBackend"),
-    "cpu": BackendEntry("kilat.model_executor.attention.cpu_backend:CPUBackend"),
-    "triton": BackendEntry("kilat.model_executor.attention.triton_backend:TritonBackend"),
+    "torch": BackendEntry("kilat.model_executor.attention.torch_ref:TorchBackend", ("cpu", "cuda")),
+    "cpu": BackendEntry("kilat.model_executor.attention.cpu_backend:CPUBackend", ("cpu",)),
+    "triton": BackendEntry("kilat.model_executor.attention.triton_backend:TritonBackend", ("cuda",)),
 }
 """Backends by ``attention_backend`` name."""
 
@@ -151,19 +154,22 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return backend_class(name)()
 
 
-def _refusal(name: str, device: torch.device, quantized_kv: bool) -> str | None:
-    """Why backend ``name`` cannot serve ``device`` with this cache, or ``None``."""
+def _misfit(name: str, quantized_kv: bool, dtype: torch.dtype | None) -> str | None:
+    """Why backend ``name`` cannot serve this cache or model dtype on any machine, or ``None``."""
     if name == "triton" and not triton_available():
         return "it needs the triton package (pip install triton)"
     cls = backend_class(name)
-    reason = cls.unavailable(device)
-    if reason is None and quantized_kv and not cls.quantized_kv:
-        reason = "it does not read int8/fp8 KV caches (kv_cache_dtype)"
-    return reason
+    if quantized_kv and not cls.quantized_kv:
+        return "it does not read int8/fp8 KV caches (kv_cache_dtype)"
+    if dtype is not None and dtype not in cls.dtypes:
+        return f"it does not take {dtype} models (dtype)"
+    return None
 
 
-def resolve_attention_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "auto") -> str:
-    """The backend to run for ``attention_backend`` = ``name`` on ``device`` with ``kv_cache_dtype``.
+def resolve_attention_backend(name: str, device: torch.device | str, kv_cache_dtype: str = "auto",
+                              dtype: torch.dtype | None = None) -> str:
+    """The backend to run for ``attention_backend`` = ``name`` on ``device`` with ``kv_cache_dtype`` (and the model
+    ``dtype``, when known).
 
     ``auto`` takes the first of :data:`AUTO_ORDER` that serves them (on the CPU the ``cpu`` backend when its C++
     kernels build, else ``torch`` with a warning saying why). An explicit ``cpu`` whose kernels cannot be built
@@ -173,27 +179,24 @@ def resolve_attention_backend(name: str, device: torch.device | str, kv_cache_dt
         name: ``"auto"`` or a name of :data:`REGISTRY` (validated by ``ExecutionConfig``).
         device: the engine's device.
         kv_cache_dtype: ``CacheConfig.kv_cache_dtype`` (``"auto"``: the model dtype).
+        dtype: the model dtype, or ``None`` (not known yet: ``create_engine_config``).
 
     Raises:
-        ValueError: an explicit backend that cannot serve the device or the cache dtype (naming why).
+        ValueError: an explicit backend that cannot serve the device, the cache or the model dtype (naming why).
     """
     device = torch.device(device)
     quantized_kv = kv_cache_dtype != "auto"
-    if name == "auto":
-        for candidate in AUTO_ORDER:
-            if candidate == "triton" and not triton_available() or \
-                    device.type not in backend_class(candidate).device_types:
-                continue  # not for this device (so never Triton's interpreter: tests ask for it by name)
-            reason = _refusal(candidate, device, quantized_kv)
-            if reason is None:
-                return candidate
-            if candidate == "cpu" and device.type == "cpu" and not quantized_kv:
+    candidates = [c for c in AUTO_ORDER if device.type in REGISTRY[c].device_types] if name == "auto" else [name]
+    for candidate in candidates:  # auto: never a backend not for the device (nor imported: no Triton interpreter)
+        reason = _misfit(candidate, quantized_kv, dtype)
+        if reason is None:
+            reason = backend_class(candidate).unavailable(device)
+            if reason is not None and candidate == "cpu" and device.type == "cpu":  # no compiler: still serve
                 logger.warning("attention backend cpu unavailable (%s); using torch", reason)
-        raise ValueError(f"no attention backend serves device {device.type}")  # torch serves every device
-    reason = _refusal(name, device, quantized_kv)
-    if reason is not None and name == "cpu" and device.type == "cpu" and not quantized_kv:
-        logger.warning("attention backend cpu unavailable (%s); using torch", reason)
-        return "torch"
-    if reason is not None:
-        raise ValueError(f"attention_backend {name!r} cannot run here: {reason}")
-    return name
+                return resolve_attention_backend("torch", device, kv_cache_dtype, dtype)
+        if reason is None:
+            return candidate
+        if name != "auto":
+            raise ValueError(f"attention_backend {name!r} cannot run here: {reason}")
+    raise ValueError(f"no attention backend serves device {device.type} with kv_cache_dtype {kv_cache_dtype!r} and "
+                     f"model dtype {dtype}")

@@ -130,7 +130,7 @@ def allocate_kv_scales(num_layers: int, num_blocks: int, block_size: int, num_kv
 def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, device: torch.device | str) -> None:
     """Refuse an fp8 cache where the attention backend cannot convert fp8.
 
-    Support: int8 everywhere. fp8 on the CPU (torch stores float8 and both backends upcast it) and on CUDA
+    Support: int8 everywhere. fp8 on the CPU (torch stores float8 and the torch backend upcasts it) and on CUDA
     with the torch backend; the Triton backend on CUDA needs compute capability 8.9 or newer (Triton's
     ``float8e4nv`` / ``float8e5`` conversions).
 

@@ -1,6 +1,6 @@
 """The plain-torch reference attention backend (``torch``) over a paged KV cache.
 
-It runs on every device, reads every KV-cache dtype, and is the oracle of the faster backends. A step's decodes
+It runs on the CPU and CUDA, reads every KV-cache dtype, and is the oracle of the faster backends. A step's decodes
 (requests with one new token) are attended in groups of similar length: one gather of their paged context and one
 ``scaled_dot_product_attention`` call per group, padded to the group's longest context with a key mask. Requests
 with several new tokens (prefill chunks) are attended one by one with the causal offset of their context
@@ -127,7 +127,7 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: to
     Args:
         query: ``[num_decodes, num_heads, head_dim]``.
         kv_scales: the scales of a quantized ``kv_cache``, else ``None``.
-        mask: the group's key mask from :meth:`AttentionMetadata.decode_mask`, or ``None``.
+        mask: the group's key mask from :meth:`StepPlans.decode_mask`, or ``None``.
 
     Returns:
         ``[num_decodes, num_heads, head_dim]``.
