@@ -37,7 +37,7 @@ class AttentionBackend(ABC):
 
     Attributes:
         name: its ``attention_backend`` name.
-        device_types: the torch device types it runs on (its :data:`REGISTRY` entry says the same, so that
+        device_types: the torch device types it runs on: its :data:`REGISTRY` entry's (stated there, so that
             ``auto`` need not import a backend that is not for the device).
         dtypes: the model (query) dtypes it takes (checked when the model runner resolves it).
         quantized_kv: whether it reads int8/fp8 KV caches (``kv_cache_dtype`` other than ``auto``).
@@ -46,17 +46,22 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
-    device_types: ClassVar[tuple[str, ...]]
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     quantized_kv: ClassVar[bool] = True
     graphable: ClassVar[bool] = False
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        """The torch device types it runs on (its :data:`REGISTRY` entry's)."""
+        return REGISTRY[self.name].device_types
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:
         """Why it cannot run on ``device`` here (a device type it does not serve, a missing package or kernel),
         or ``None`` when it can. May build its kernels (the first call only)."""
-        if device.type not in cls.device_types:
-            return f"it runs on {' or '.join(cls.device_types)}, not {device.type}"
+        device_types = REGISTRY[cls.name].device_types
+        if device.type not in device_types:
+            return f"it runs on {' or '.join(device_types)}, not {device.type}"
         return None
 
     @staticmethod
@@ -108,7 +113,7 @@ class AttentionBackend(ABC):
 @dataclass(frozen=True)
 class BackendEntry:
     """A registered backend: where it lives (``module:Class``, imported on first use) and the device types it
-    runs on (its class's ``device_types``, known here without importing it)."""
+    runs on (known here without importing it; the class's ``device_types``)."""
 
     target: str
     device_types: tuple[str, ...]

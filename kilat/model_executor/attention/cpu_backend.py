@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kilat.model_executor.attention.plans import StepPlans
-from kilat.model_executor.attention.torch_ref import TorchBackend, attend_prefills
+from kilat.model_executor.attention.plans import DecodePlan, StepPlans
+from kilat.model_executor.attention.torch_ref import TorchBackend, attend_step
 from kilat.model_executor.native import load_extension
 
 
@@ -29,7 +29,6 @@ class CPUBackend(TorchBackend):
     prefills."""
 
     name: ClassVar[str] = "cpu"
-    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     quantized_kv: ClassVar[bool] = False
 
     @classmethod
@@ -47,12 +46,10 @@ class CPUBackend(TorchBackend):
         ops = cpu_attention_ops()
         if ops is None:
             raise RuntimeError("the cpu attention backend's C++ kernels are unavailable")
-        plan = metadata.decode_batch
-        if plan is not None and metadata.common.num_decode_tokens == query.shape[0]:
-            return ops.paged_decode(query, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window or 0)
-        out = torch.empty_like(query)
-        if plan is not None:
-            out[plan.rows] = ops.paged_decode(query[plan.rows], kv_cache, plan.block_ids, plan.seq_lens, scale,
-                                              sliding_window or 0)
-        attend_prefills(query, key, value, kv_cache, metadata, scale, sliding_window, None, out)
-        return out
+        plan = metadata.decode_batch  # the kernel reads each context in place: one call for every decode
+
+        def decode(_: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+            return ops.paged_decode(q, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window or 0)
+
+        return attend_step(query, key, value, kv_cache, metadata, [] if plan is None else [plan], decode, scale,
+                           sliding_window, None)

@@ -9,6 +9,7 @@ with several new tokens (prefill chunks) are attended one by one with the causal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -19,12 +20,14 @@ from kilat.model_executor.attention.kv_cache import dequantize_kv, quantize_kv
 from kilat.model_executor.attention.metadata import AttentionMetadata
 from kilat.model_executor.attention.plans import DecodePlan, StepPlans
 
+DecodeFn = Callable[[int, DecodePlan, torch.Tensor], torch.Tensor]
+"""Attention of decode group ``i`` (its :class:`DecodePlan`, its query rows) -> its output rows."""
+
 
 class TorchBackend(AttentionBackend):
     """``attention_backend="torch"``: :func:`write_kv` and :func:`paged_attention` over :class:`StepPlans`."""
 
     name: ClassVar[str] = "torch"
-    device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     def build_metadata(self, common: AttentionMetadata) -> StepPlans:
         return StepPlans(common)
@@ -76,13 +79,23 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
-    groups = plans.decodes
+    def decode(i: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
+        return _decode_attention(q, kv_cache, kv_scales, plan, plans.decode_mask(i, sliding_window), scale)
+
+    return attend_step(query, key, value, kv_cache, plans, plans.decodes, decode, scale, sliding_window, kv_scales)
+
+
+def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                plans: StepPlans, groups: list[DecodePlan], decode: DecodeFn, scale: float,
+                sliding_window: int | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """One step of the torch and CPU backends: ``decode(i, groups[i], query rows)`` for each decode group (the
+    whole output when the step is one group of decodes only), then :func:`attend_prefills`. Other arguments as
+    :func:`paged_attention`; returns ``[num_new_tokens, num_heads, head_dim]`` in the query dtype."""
     if len(groups) == 1 and plans.common.num_decode_tokens == query.shape[0]:
-        return _decode_attention(query, kv_cache, kv_scales, groups[0], plans.decode_mask(0, sliding_window), scale)
+        return decode(0, groups[0], query)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
-        out[plan.rows] = _decode_attention(query[plan.rows], kv_cache, kv_scales, plan,
-                                           plans.decode_mask(i, sliding_window), scale)
+        out[plan.rows] = decode(i, plan, query[plan.rows])
     attend_prefills(query, key, value, kv_cache, plans, scale, sliding_window, kv_scales, out)
     return out
 

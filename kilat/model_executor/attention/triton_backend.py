@@ -74,7 +74,6 @@ class TritonBackend(AttentionBackend):
     under ``TRITON_INTERPRET=1``, for tests)."""
 
     name: ClassVar[str] = "triton"
-    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     graphable: ClassVar[bool] = True
 
     @classmethod
