@@ -180,7 +180,7 @@ class ExecutionConfig:
 
     Attributes:
         attention_backend: ``"auto"`` (the fastest available: Triton on CUDA when installed, the C++ ``"cpu"``
-            backend on the CPU when its kernels build and the cache is in the model dtype, else the torch
+            backend on the CPU when its kernels build (any cache dtype), else the torch
             reference), ``"torch"``, ``"cpu"`` or ``"triton"`` (off CUDA only under ``TRITON_INTERPRET=1``, for
             tests); see :mod:`kilat.model_executor.attention.backends`.
         enforce_eager: never capture CUDA graphs (by default decode steps replay graphs captured for batch

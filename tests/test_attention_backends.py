@@ -14,6 +14,7 @@ from kilat.model_executor.attention.backends import (
     get_attention_backend,
     resolve_attention_backend,
 )
+from kilat.model_executor.attention.cpu_backend import CPUBackend
 from kilat.model_executor.attention.triton_backend import TritonMetadata
 
 
@@ -27,40 +28,45 @@ def test_registry_names_classes_and_metadata() -> None:
         assert get_attention_backend(name) is backend  # one shared instance
         assert backend.kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
         made[name] = backend.build_metadata(md)
-        assert made[name].common is md
-    assert type(made["torch"]) is StepPlans and type(made["cpu"]) is StepPlans
+    assert made["torch"].common is md and made["triton"].common is md
+    assert type(made["torch"]) is StepPlans and made["cpu"] is md  # the cpu kernel reads the common metadata
     assert type(made["triton"]) is TritonMetadata
     assert set(AUTO_ORDER) == set(REGISTRY)
     assert [n for n in REGISTRY if get_attention_backend(n).graphable] == ["triton"]
-    assert [n for n in REGISTRY if not get_attention_backend(n).quantized_kv] == ["cpu"]
+    assert all(get_attention_backend(n).quantized_kv for n in REGISTRY)
 
 
-def test_cpu_backend_refuses_a_quantized_cache_and_other_model_dtypes() -> None:
+def test_refusals_of_model_dtypes_and_quantized_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="cpu.*does not take torch.float64 models"):
         resolve_attention_backend("cpu", "cpu", "auto", torch.float64)
     with pytest.raises(ValueError, match="no attention backend serves"):  # none takes float64 models
         resolve_attention_backend("auto", "cpu", "auto", torch.float64)
-    backend = get_attention_backend("cpu")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        backend.forward(None, None, None, None, None, 1.0, None, kv_scales=object())
+    assert resolve_attention_backend("cpu", "cpu", "int8") == "cpu"
+    monkeypatch.setattr(CPUBackend, "quantized_kv", False)  # a backend that reads no int8/fp8 cache
+    with pytest.raises(ValueError, match="cpu.*does not read int8/fp8 KV caches"):
+        resolve_attention_backend("cpu", "cpu", "fp8")
+    assert resolve_attention_backend("auto", "cpu", "fp8") == "torch"
 
 
 def test_engine_greedy_float32_equal_on_cpu_backend(tiny_llama_dir: str) -> None:
     """The whole engine on the ``cpu`` backend (``auto`` on this machine): chunked prefill (budget 24), a prefix
     served from the prefix cache, mixed prefill/decode steps and preemption (a cache of 16 blocks of 8 for 4 requests
-    of ~75 tokens) give the torch backend's greedy float32 tokens."""
+    of ~75 tokens) give the torch backend's greedy float32 tokens, over a float32 cache and over an int8 one."""
     prefix = "The quick brown fox jumps over the lazy dog while the lightning strikes"
     prompts = [prefix + " twice", "Hello", prefix + " again and again", "A longer prompt about paged attention"]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outputs = {}
-    for backend in ("torch", "auto"):
-        llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=16,
-                  max_num_batched_tokens=24, attention_backend=backend)
-        core = llm.engine.core
-        name = core.runner.attn_backend.name
-        assert name == ("torch" if backend == "torch" else "cpu")
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # cache the prefix
-        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert core.stats.prefix_cache_hits > 0 and core.scheduler.num_preemptions > 0
-    assert all(len(t) == 60 for t in outputs["cpu"])
-    assert outputs["cpu"] == outputs["torch"]
+    for kv_cache_dtype in ("auto", "int8"):
+        for backend in ("torch", "auto"):
+            llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=16,
+                      max_num_batched_tokens=24, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+            core = llm.engine.core
+            name = core.runner.attn_backend.name
+            assert name == ("torch" if backend == "torch" else "cpu")
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # cache the prefix
+            outputs[name, kv_cache_dtype] = [o.outputs[0].token_ids
+                                             for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert core.stats.prefix_cache_hits > 0 and core.scheduler.num_preemptions > 0
+    assert all(len(t) == 60 for t in outputs["cpu", "auto"])
+    assert outputs["cpu", "auto"] == outputs["torch", "auto"]
+    assert outputs["cpu", "int8"] == outputs["torch", "int8"]

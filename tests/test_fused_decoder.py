@@ -5,6 +5,7 @@ whose layers fuse only in part."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -114,14 +115,15 @@ def test_slot_outside_the_cache_is_an_error(checkpoint: Path) -> None:
     x = torch.randn(1, model.config.hidden_size)
     cos, sin = model.model.rotary_emb(torch.tensor([0]))
     kv = torch.zeros(2, 2, 4, model.num_kv_heads, model.head_dim)
-    one = torch.tensor([1])
+    int32 = functools.partial(torch.tensor, dtype=torch.int32)
     args = (layer.fused._norms, layer.fused._eps, layer.fused._weights, layer.fused._quant, layer.fused._biases,
             cos, sin, kv)
     ops = layer.fused._ops
     with pytest.raises(RuntimeError, match="slot_mapping must be in"):
         ops.decoder_layer(x.expand(2, -1), None, *[a.expand(2, 1, -1) if a is cos or a is sin else a for a in args],
-                          torch.tensor([7, 8]), torch.tensor([0, 1]), torch.tensor([1, 1]),
+                          torch.tensor([7, 8]), int32([[0], [1]]), int32([1, 1]), int32([0, 1, 2]),
                           layer.self_attn.num_heads, 0.125, 0)
     assert kv.abs().sum() == 0  # every slot is checked before the first write
-    ops.decoder_layer(x, None, *args, torch.tensor([7]), torch.tensor([1]), one, layer.self_attn.num_heads, 0.125, 0)
+    ops.decoder_layer(x, None, *args, torch.tensor([7]), int32([[1]]), int32([1]), int32([0, 1]),
+                      layer.self_attn.num_heads, 0.125, 0)
     assert kv[0, 1, 3].abs().sum() > 0 and kv[0, 0].abs().sum() == 0

@@ -26,7 +26,7 @@ from tests.attention_utils import block_tables, naive_attention
 CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 """Mantissa bits and smallest normal exponent."""
-BACKENDS = [get_attention_backend("torch"), get_attention_backend("triton")]
+BACKENDS = [get_attention_backend("torch"), get_attention_backend("cpu"), get_attention_backend("triton")]
 FLOAT_ERROR = {torch.int8: 0.025, torch.float8_e4m3fn: 0.1, torch.float8_e5m2: 0.3}
 """Bound on |attention over the quantized cache - attention over the float keys/values| for unit-normal
 inputs (largest measured over the cases below: 0.013, 0.067, 0.20; each format's step is 2^-7, 2^-4, 2^-3)."""

@@ -44,7 +44,10 @@ def reference(text_ids: list[int]) -> float:
     # under 0.02 on an AVX-512 Xeon)
     ({"quantization": "int8"}, "int8 per-channel", 0.03),
     ({"quantization": "int4"}, "int4 g32", 0.1),
-    ({"quantization": "fp8"}, "fp8", 0.05),
+    # fp8 measured 0.044 with the torch attention backend and 0.057 with the cpu one (2026-12-03, AVX2 EPYC): the
+    # two round bfloat16 attention differently, which moves these NLLs by about 0.01 either way (dense bf16: -0.015
+    # and -0.006; int8: 0.023 and 0.013)
+    ({"quantization": "fp8"}, "fp8", 0.07),
     ({"kv_cache_dtype": "int8"}, "gguf 4-bit g32", 0.03),
     ({"kv_cache_dtype": "fp8"}, "gguf 4-bit g32", 0.05),
 ], ids=["default", "gguf-float32", "int8", "int4", "fp8", "kv-int8", "kv-fp8"])

@@ -1,25 +1,33 @@
-// Paged decode attention for CPU: each decode's one query token attends its whole context, read in place from the
-// paged KV cache (no gather, no mask). The torch path this replaces is _decode_attention in
-// kilat/model_executor/attention/torch_ref.py, which stays the oracle and the fallback.
+// Paged attention for CPU over a whole step: every new token of every request attends its context, read in place
+// from the paged KV cache (no gather, no mask tensors). The torch path this replaces is paged_attention in
+// kilat/model_executor/attention/torch_ref.py (gather + SDPA), which stays the oracle and the fallback.
 //
-// Work item: one (decode, KV head); its g = num_heads / num_kv_heads query heads are computed together, so each key
-// and value row is read (and converted to float32) once per item. Keys go in tiles of kTile with an online softmax
-// (FlashAttention-2, Dao 2023): scores, softmax and the weighted V sum in float32, the output rounded once to the
-// query dtype. When the items share out badly over the threads (e.g. one decode's 3 KV heads on 2 threads) and the
-// context is long enough, each item's keys are split across threads (flash-decoding, see num_splits) and the partial
-// results merged by their log-sum-exp. AVX-512 (or AVX2 with FMA and F16C) for the row conversions, dot products,
-// exponentials and V sums where compiled in, portable loops otherwise (same arithmetic up to summation order and the
-// exponential's last bit).
+// Decodes (requests with one new token): one work item per (decode, KV head); its g = num_heads / num_kv_heads
+// query heads are computed together, so each key and value row is read (and converted to float32) once per item.
+// When the items share out badly over the threads (e.g. one decode's 3 KV heads on 2 threads) and the context is
+// long enough, each item's keys are split across threads (flash-decoding, see num_splits) and the partial results
+// merged by their log-sum-exp.
+// Extends (requests with several new tokens: prefill chunks, over a cached prefix or not): spans of tokens of one
+// request and KV head (run_extends), each row seeing only the keys its token does (causal, sliding window).
+// Keys go in tiles of kTile with an online softmax (FlashAttention-2, Dao 2023): scores, softmax and the weighted V
+// sum in float32, the output rounded once to the query dtype. AVX-512 (or AVX2 with FMA and F16C) for the row
+// conversions, dot products, exponentials and V sums where compiled in, portable loops otherwise (same arithmetic up
+// to summation order and the exponential's last bit).
 //
-// Op (namespace kilat_cpu_attn): paged_decode(query [D, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
-// block_ids int64 [D * nb], seq_lens int64 [D], scale, sliding_window) -> [D, H, hd] in the query dtype.
-// query may be a strided view (last dimension contiguous); kv_cache contiguous, of the query's dtype (float32,
-// bfloat16 or float16); block_ids holds each decode's first nb block ids; decode d (its token at position
-// p = seq_lens[d] - 1) sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p).
+// Op (namespace kilat_cpu_attn): paged_attention(query [T, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
+// kv_scales [2, blocks, block_size, KVH]?, block_table int32 [R, nb], seq_lens int32 [R], query_start_loc int32
+// [R + 1], scale, sliding_window) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
+// kilat/model_executor/attention/metadata.py). query may be a strided view (last dimension contiguous); kv_cache
+// contiguous, of the query's dtype (float32, bfloat16 or float16), or int8 / fp8 (e4m3, e5m2) with float32
+// kv_scales (kilat/model_executor/attention/kv_cache.py). Request r's new tokens are query rows
+// query_start_loc[r] .. query_start_loc[r + 1] - 1, at the last positions of its seq_lens[r]; the token at position p
+// sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -28,7 +36,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -43,6 +53,7 @@ namespace {
 
 constexpr int64_t kTile = 16;             // keys per online-softmax step
 constexpr int64_t kSplitMinChunk = 64;    // keys per split of the longest context, at least (see num_splits)
+constexpr int64_t kExtendRows = 96;       // query rows (tokens x query heads of a KV head) per extend span, at most
 
 // ------------------------------------------------------------------------------------- float32 vector helpers
 #ifdef KILAT_AVX512
@@ -255,95 +266,150 @@ inline float softmax_step(float* s, int64_t n, float& m, float& l) {
 }
 
 // ------------------------------------------------------------------------------------------------- the problem
+enum class Storage { model, int8, e4m3, e5m2 };  // how the cache holds keys and values (model = the query dtype)
+
+// float32 value of each fp8 byte.
+template <typename F8>
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 struct Problem {
-  int64_t decodes, heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t reqs, heads, kv_heads, group, dim, block_size, table_stride;
   int64_t values;                // offset of the values plane in the cache (elements)
   int64_t q_stride0, q_stride1;  // query strides (elements) of dimensions 0 and 1
-  const int64_t* block_ids;
-  const int64_t* seq_lens;
+  const int32_t* block_table;    // [reqs, table_stride]
+  const int32_t* seq_lens;       // [reqs]
+  const int32_t* q_start;        // [reqs + 1]
   float scale;
   int64_t window;
+  Storage storage = Storage::model;
+  const float* kv_scales = nullptr;  // [2, blocks, block_size, kv_heads] for a quantized cache
+  int64_t scale_values = 0;          // offset of the values' scales
 
-  int64_t items() const { return decodes * kv_heads; }
+  int64_t query_len(int64_t r) const { return q_start[r + 1] - q_start[r]; }
+  int64_t context_len(int64_t r) const { return seq_lens[r] - query_len(r); }
 
-  // Keys [begin, end) that decode d sees.
-  void keys(int64_t d, int64_t& begin, int64_t& end) const {
-    end = seq_lens[d];
-    begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-  }
+  // First key that the token at position pos sees.
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
-  // Offset (elements) of the key row at position pos of decode d's KV head h; its value row is `values` further.
-  int64_t key_row(int64_t d, int64_t h, int64_t pos) const {
-    const int64_t block = block_ids[d * num_blocks + pos / block_size];
+  // Offset (elements) of the key row at position pos of request r's KV head h; its value row is `values` further.
+  int64_t key_row(int64_t r, int64_t h, int64_t pos) const {
+    const int64_t block = block_table[r * table_stride + pos / block_size];
     return ((block * block_size + pos % block_size) * kv_heads + h) * dim;
   }
 };
 
-// Softmax state of one item's `group` query heads over some keys, float32 [group * (dim + 2)]: running maxima m
-// [group], sums of exponentials l [group], the unnormalised outputs acc [group, dim]. A state that saw no key has
-// m = -inf, l = 0, acc = 0.
+// dst[0:dim] = the key (value = false) or value row at element offset `row` as float32: converted, or dequantized
+// as the torch backend does (kilat/model_executor/attention/kv_cache.py, dequantize_kv): stored value times the
+// row's scale, both rounded to the model dtype T and the product too.
+template <typename T>
+void load_row(const Problem& p, const void* cache, int64_t row, bool value, float* dst) {
+  const int64_t at = row + (value ? p.values : 0);
+  if (p.storage == Storage::model) return to_float(static_cast<const T*>(cache) + at, dst, p.dim);
+  const float s = static_cast<float>(static_cast<T>(p.kv_scales[(value ? p.scale_values : 0) + row / p.dim]));
+  const float* table = p.storage == Storage::e4m3 ? fp8_table<c10::Float8_e4m3fn>()
+                                                  : p.storage == Storage::e5m2 ? fp8_table<c10::Float8_e5m2>() : nullptr;
+  const int8_t* q = static_cast<const int8_t*>(cache) + at;
+  for (int64_t i = 0; i < p.dim; ++i) {
+    const float x = table ? table[static_cast<uint8_t>(q[i])] : static_cast<float>(q[i]);
+    dst[i] = static_cast<float>(static_cast<T>(x * s));
+  }
+}
+
+// Tokens [t0, t1) of request r's new tokens with the query heads of KV head h: (t1 - t0) * group query rows, row
+// i = (token t0 + i / group, query head h * group + i % group). A decode is one token.
+struct Span {
+  int64_t r, h, t0, t1;
+  int64_t rows(const Problem& p) const { return (t1 - t0) * p.group; }
+};
+
+// Softmax state of a span's rows over some keys, float32 [rows * (dim + 2)]: running maxima m [rows], sums of
+// exponentials l [rows], the unnormalised outputs acc [rows, dim]. A row that saw no key has m = -inf, l = 0, acc = 0.
 struct State {
+  int64_t rows;
   float* m;
   float* l;
   float* acc;
-  State(float* base, const Problem& p) : m(base), l(base + p.group), acc(base + 2 * p.group) {}
-  static int64_t size(const Problem& p) { return p.group * (p.dim + 2); }
+  State(float* base, int64_t rows) : rows(rows), m(base), l(base + rows), acc(base + 2 * rows) {}
+  static int64_t size(const Problem& p, int64_t rows) { return rows * (p.dim + 2); }
 
   // Back to the state that saw no key.
   void reset(const Problem& p) {
-    std::fill(m, m + p.group, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + p.group, 0.f);
-    std::fill(acc, acc + p.group * p.dim, 0.f);
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.f);
+    std::fill(acc, acc + rows * p.dim, 0.f);
   }
 };
 
-// Per-thread scratch: the item's queries (float32, times scale), one tile's keys, values and scores, an output row.
+// Per-thread scratch for spans of up to `rows` rows: their queries (float32, times scale), one tile's keys (as rows
+// and transposed), values and scores, an output row, and (extend spans) a state.
 struct Scratch {
-  std::vector<float> q, k, v, s, row;
-  explicit Scratch(const Problem& p)
-      : q(p.group * p.dim), k(kTile * p.dim), v(kTile * p.dim), s(p.group * kTile), row(p.dim) {}
+  std::vector<float> q, k, kt, v, s, row, state;
+  Scratch(const Problem& p, int64_t rows)
+      : q(rows * p.dim), k(kTile * p.dim), kt(kTile * p.dim), v(kTile * p.dim), s(rows * kTile), row(p.dim),
+        state(State::size(p, rows)) {}
 };
 
 template <typename T>
-void load_queries(const Problem& p, const T* query, int64_t d, int64_t h, Scratch& sc) {
-  for (int64_t g = 0; g < p.group; ++g) {
-    float* q = &sc.q[g * p.dim];
-    to_float(query + d * p.q_stride0 + (h * p.group + g) * p.q_stride1, q, p.dim);
+void load_queries(const Problem& p, const T* query, const Span& sp, Scratch& sc) {
+  for (int64_t i = 0; i < sp.rows(p); ++i) {
+    float* q = &sc.q[i * p.dim];
+    to_float(query + (p.q_start[sp.r] + sp.t0 + i / p.group) * p.q_stride0 + (sp.h * p.group + i % p.group) * p.q_stride1,
+             q, p.dim);
     scale(p.scale, q, p.dim);
   }
 }
 
-// Attend keys [begin, end) of decode d's KV head h into `st` (which starts empty); queries already in sc.q.
+// Attend keys [begin, end) of span sp into `st` (which starts empty), each row only the keys its token sees (causal,
+// sliding window); queries already in sc.q. Each key and value row is read and converted once per tile for all rows.
 template <typename T>
-void attend(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
-            State st) {
-  const int64_t dim = p.dim;
+void attend(const Problem& p, const void* cache, const Span& sp, int64_t begin, int64_t end, Scratch& sc, State st) {
+  const int64_t dim = p.dim, rows = sp.rows(p), ctx = p.context_len(sp.r);
+  // Keys every row sees: from the last token's first key to the first token's position.
+  const int64_t all_from = p.first_key(ctx + sp.t1 - 1), all_to = ctx + sp.t0;
   st.reset(p);
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
-    for (int64_t j = 0; j < n; ++j) {  // each key and value row read and converted once for the whole group
-      const int64_t row = p.key_row(d, h, t0 + j);
-      to_float(cache + row, &sc.k[j * dim], dim);
-      to_float(cache + p.values + row, &sc.v[j * dim], dim);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t row = p.key_row(sp.r, sp.h, t0 + j);
+      load_row<T>(p, cache, row, false, &sc.k[j * dim]);
+      load_row<T>(p, cache, row, true, &sc.v[j * dim]);
     }
-    for (int64_t g = 0; g < p.group; ++g) {
-      float* s = sc.s.data();
-      dots(&sc.q[g * dim], sc.k.data(), n, dim, s);
-      float* acc = &st.acc[g * dim];
-      scale(softmax_step(s, n, st.m[g], st.l[g]), acc, dim);
-      weighted_sum(s, sc.v.data(), n, dim, acc);
+    const bool whole = t0 >= all_from && t0 + n - 1 <= all_to;
+    for (int64_t i = 0; i < rows; ++i) {
+      float* s = &sc.s[i * kTile];
+      dots(&sc.q[i * dim], sc.k.data(), n, dim, s);
+      if (!whole) {  // keys of this tile the row's token does not see get weight 0
+        const int64_t pos = ctx + sp.t0 + i / p.group, lo = p.first_key(pos) - t0, hi = pos - t0;
+        if (lo > hi || lo >= n || hi < 0) {
+          std::fill(s, s + n, 0.f);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j)
+          if (j < lo || j > hi) s[j] = -std::numeric_limits<float>::infinity();
+      }
+      float* acc = &st.acc[i * dim];
+      scale(softmax_step(s, n, st.m[i], st.l[i]), acc, dim);
     }
+    for (int64_t i = 0; i < rows; ++i) weighted_sum(&sc.s[i * kTile], sc.v.data(), n, dim, &st.acc[i * dim]);
   }
 }
 
 #ifdef KILAT_AVX2
-// attend() for G <= 3 query heads per KV head and head_dim a multiple of 16, without attend's float32 copies of each
-// tile's K and V rows (on AVX2 CPUs those conversions and stores took about half the time): each 8 values of a key or
-// value row are converted once, in a register, and used for all G heads. Scores of 4 keys x G heads in 4G independent
-// FMA chains, each head's 4 sums in one hadd tree; the V sums as attend's (per lane, key by key), 16 lanes at a time.
+// attend() for a decode (one token, which sees every key of [begin, end)) with G <= 3 query heads per KV head,
+// head_dim a multiple of 16 and the cache in the model dtype, without attend's float32 copies of each tile's K and V
+// rows (on AVX2 CPUs those conversions and stores took about half the time): each 8 values of a key or value row are
+// converted once, in a register, and used for all G heads. Scores of 4 keys x G heads in 4G independent FMA chains,
+// each head's 4 sums in one hadd tree; the V sums as attend's (per lane, key by key), 16 lanes at a time.
 // Not inlined: its registers then do not depend on the caller's loop (inlined in run's, it measured 1% slower).
 template <typename T, int G>
-__attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin,
+__attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, const Span& sp, int64_t begin,
                                            int64_t end, Scratch& sc, State st) {
   const int64_t dim = p.dim;
   st.reset(p);
@@ -352,7 +418,7 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, int
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
     for (int64_t j = 0; j < n; ++j) {
-      krow[j] = cache + p.key_row(d, h, t0 + j);
+      krow[j] = cache + p.key_row(sp.r, sp.h, t0 + j);
       vrow[j] = krow[j] + p.values;
     }
     float* s = sc.s.data();  // [G, kTile]
@@ -397,58 +463,173 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, int
 }
 #endif
 
-// attend_rows where it applies (AVX2, G <= 3, head_dim a multiple of 16), else attend.
+// A decode's keys [begin, end): attend_rows where it applies (AVX2, G <= 3, head_dim a multiple of 16, the cache in
+// the model dtype), else attend.
 template <typename T>
-void attend_item(const Problem& p, const T* cache, int64_t d, int64_t h, int64_t begin, int64_t end, Scratch& sc,
-                 State st) {
+void attend_decode(const Problem& p, const void* cache, const Span& sp, int64_t begin, int64_t end, Scratch& sc,
+                   State st) {
 #ifdef KILAT_AVX2
-  if (p.dim % 16 == 0) {
-    if (p.group == 1) return attend_rows<T, 1>(p, cache, d, h, begin, end, sc, st);
-    if (p.group == 2) return attend_rows<T, 2>(p, cache, d, h, begin, end, sc, st);
-    if (p.group == 3) return attend_rows<T, 3>(p, cache, d, h, begin, end, sc, st);
+  if (p.dim % 16 == 0 && p.storage == Storage::model) {
+    const T* c = static_cast<const T*>(cache);
+    if (p.group == 1) return attend_rows<T, 1>(p, c, sp, begin, end, sc, st);
+    if (p.group == 2) return attend_rows<T, 2>(p, c, sp, begin, end, sc, st);
+    if (p.group == 3) return attend_rows<T, 3>(p, c, sp, begin, end, sc, st);
   }
 #endif
-  attend(p, cache, d, h, begin, end, sc, st);
+  attend<T>(p, cache, sp, begin, end, sc, st);
 }
 
-// Output rows of item (d, h) from its `n_parts` states (consecutive, from `parts`), merged by log-sum-exp:
-// sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with M = max_s m_s. Zeros when no state saw a key.
+#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
+// kW float32 lanes per vector, on AVX-512 or AVX2.
+#ifdef KILAT_AVX512
+using Vec = __m512;
+constexpr int kW = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+#else
+using Vec = __m256;
+constexpr int kW = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+#endif
+constexpr int kKeyVecs = kTile / kW;  // vectors per row of a tile's scores
+constexpr int kRowBlock = kW / 2;     // rows whose scores are computed together: 8 independent FMA chains
+
+// acc[0:C kW] = acc * correction + sum_j p[j] v[j * dim : j * dim + C kW] over j < n, in C registers; returns C kW.
+template <int C>
+inline int64_t weigh_values(const float* p, const float* v, int64_t n, int64_t dim, float correction, float* acc) {
+  const Vec cv = vset1(correction);
+  Vec a[C];
+  for (int c = 0; c < C; ++c) a[c] = vmul(cv, vload(acc + c * kW));
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec pj = vset1(p[j]);
+    for (int c = 0; c < C; ++c) a[c] = vfma(pj, vload(v + j * dim + c * kW), a[c]);
+  }
+  for (int c = 0; c < C; ++c) vstore(acc + c * kW, a[c]);
+  return C * kW;
+}
+
+// attend() for an extend span (several rows) with head_dim a multiple of kW, as a small matrix product per tile of
+// kTile keys: the tile's keys are converted and transposed once into kt [dim, kTile], so that kRowBlock rows' scores
+// come out as whole vectors (a broadcast query value times a row of kt, no horizontal sums); each row's weighted V
+// sum keeps up to 8 vectors of its output in registers, rescaled by the softmax correction on the way in.
 template <typename T>
-void finish(const Problem& p, float* parts, int64_t n_parts, int64_t d, int64_t h, T* out, float* row) {
+__attribute__((noinline)) void attend_tile(const Problem& p, const void* cache, const Span& sp, int64_t begin,
+                                           int64_t end, Scratch& sc, State st) {
+  const int64_t dim = p.dim, rows = sp.rows(p), ctx = p.context_len(sp.r);
+  const int64_t all_from = p.first_key(ctx + sp.t1 - 1), all_to = ctx + sp.t0;
+  float* kt = sc.kt.data();
+  st.reset(p);
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t row = p.key_row(sp.r, sp.h, t0 + j);
+      load_row<T>(p, cache, row, false, sc.k.data());
+      for (int64_t d = 0; d < dim; ++d) kt[d * kTile + j] = sc.k[d];
+      load_row<T>(p, cache, row, true, &sc.v[j * dim]);
+    }
+    for (int64_t i0 = 0; i0 < rows; i0 += kRowBlock) {  // scores s[i, 0:kTile] = q[i] . kt
+      const int64_t rb = std::min<int64_t>(kRowBlock, rows - i0);
+      Vec acc[kRowBlock][kKeyVecs];
+      for (int r = 0; r < kRowBlock; ++r)
+        for (int c = 0; c < kKeyVecs; ++c) acc[r][c] = vzero();
+      const float* q = &sc.q[i0 * dim];
+      if (rb == kRowBlock) {
+        for (int64_t d = 0; d < dim; ++d)
+          for (int r = 0; r < kRowBlock; ++r) {
+            const Vec qv = vset1(q[r * dim + d]);
+            for (int c = 0; c < kKeyVecs; ++c) acc[r][c] = vfma(qv, vload(kt + d * kTile + c * kW), acc[r][c]);
+          }
+      } else {
+        for (int64_t d = 0; d < dim; ++d)
+          for (int64_t r = 0; r < rb; ++r) {
+            const Vec qv = vset1(q[r * dim + d]);
+            for (int c = 0; c < kKeyVecs; ++c) acc[r][c] = vfma(qv, vload(kt + d * kTile + c * kW), acc[r][c]);
+          }
+      }
+      for (int64_t r = 0; r < rb; ++r)
+        for (int c = 0; c < kKeyVecs; ++c) vstore(&sc.s[(i0 + r) * kTile + c * kW], acc[r][c]);
+    }
+    const bool whole = t0 >= all_from && t0 + n - 1 <= all_to;
+    for (int64_t i = 0; i < rows; ++i) {
+      float* s = &sc.s[i * kTile];
+      float correction = 1.f;
+      bool none = false;
+      if (!whole) {  // keys of this tile the row's token does not see get weight 0
+        const int64_t pos = ctx + sp.t0 + i / p.group, lo = p.first_key(pos) - t0, hi = pos - t0;
+        none = lo >= n || hi < 0;
+        for (int64_t j = 0; j < n; ++j)
+          if (none || j < lo || j > hi) s[j] = -std::numeric_limits<float>::infinity();
+      }
+      if (none)
+        std::fill(s, s + n, 0.f);
+      else
+        correction = softmax_step(s, n, st.m[i], st.l[i]);
+      float* acc = &st.acc[i * dim];
+      int64_t c0 = 0;
+      for (; c0 + 8 * kW <= dim; c0 += 8 * kW) weigh_values<8>(s, sc.v.data() + c0, n, dim, correction, acc + c0);
+      if (c0 + 4 * kW <= dim) c0 += weigh_values<4>(s, sc.v.data() + c0, n, dim, correction, acc + c0);
+      if (c0 + 2 * kW <= dim) c0 += weigh_values<2>(s, sc.v.data() + c0, n, dim, correction, acc + c0);
+      if (c0 < dim) weigh_values<1>(s, sc.v.data() + c0, n, dim, correction, acc + c0);
+    }
+  }
+}
+#endif
+
+// An extend span's keys [begin, end): attend_tile where it applies (AVX-512 or AVX2, head_dim a multiple of the
+// vector width), else attend.
+template <typename T>
+void attend_extend(const Problem& p, const void* cache, const Span& sp, int64_t begin, int64_t end, Scratch& sc,
+                   State st) {
+#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
+  if (p.dim % kW == 0) return attend_tile<T>(p, cache, sp, begin, end, sc, st);
+#endif
+  attend<T>(p, cache, sp, begin, end, sc, st);
+}
+
+// Output rows of span sp from its `n_parts` states (consecutive, from `parts`), merged by log-sum-exp:
+// sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with M = max_s m_s. Zeros for a row no state saw a key for.
+template <typename T>
+void finish(const Problem& p, float* parts, int64_t n_parts, const Span& sp, T* out, float* row) {
   const float none = -std::numeric_limits<float>::infinity();
-  for (int64_t g = 0; g < p.group; ++g) {
+  const int64_t rows = sp.rows(p), size = State::size(p, rows);
+  for (int64_t i = 0; i < rows; ++i) {
     float big = none;
-    for (int64_t s = 0; s < n_parts; ++s) big = std::max(big, State(parts + s * State::size(p), p).m[g]);
+    for (int64_t s = 0; s < n_parts; ++s) big = std::max(big, State(parts + s * size, rows).m[i]);
     std::fill(row, row + p.dim, 0.f);
     if (big != none) {
       float total = 0.f;
       for (int64_t s = 0; s < n_parts; ++s) {
-        const State st(parts + s * State::size(p), p);
-        const float w = std::exp(st.m[g] - big);
-        total += st.l[g] * w;
-        axpy(w, &st.acc[g * p.dim], row, p.dim);
+        const State st(parts + s * size, rows);
+        const float w = std::exp(st.m[i] - big);
+        total += st.l[i] * w;
+        axpy(w, &st.acc[i * p.dim], row, p.dim);
       }
       scale(1.f / total, row, p.dim);
     }
-    T* o = out + (d * p.heads + h * p.group + g) * p.dim;
-    for (int64_t i = 0; i < p.dim; ++i) o[i] = static_cast<T>(row[i]);
+    T* o = out + ((p.q_start[sp.r] + sp.t0 + i / p.group) * p.heads + sp.h * p.group + i % p.group) * p.dim;
+    for (int64_t j = 0; j < p.dim; ++j) o[j] = static_cast<T>(row[j]);
   }
 }
 
-// Splits per item. Tasks go to threads in contiguous runs of ceil(tasks / threads), so unsplit items take
+// Splits per decode item. Tasks go to threads in contiguous runs of ceil(tasks / threads), so unsplit items take
 // ceil(items / threads) item-times: 3 items on 2 threads take 2, one thread idle half of it. Splitting each item's keys
 // in s parts takes ceil(items * s / threads) / s (1.5 for 3 items in halves). Take the smallest s <= threads that
 // minimises it, with parts of the longest context at least kSplitMinChunk keys, and only when it saves more than 1/20:
 // splitting costs about that much (partial tiles, merges; and a thread left alone runs faster than two together). On
 // 2 threads, 15 and 21 items in halves gain 1/16 and 1/22 in theory, measured about 2% and -1%; 3 items, 1/4 and 15%.
-int64_t num_splits(const Problem& p) {
-  const int64_t threads = at::get_num_threads(), items = p.items();
+int64_t num_splits(const Problem& p, const std::vector<int64_t>& decodes) {
+  const int64_t threads = at::get_num_threads(), items = static_cast<int64_t>(decodes.size()) * p.kv_heads;
   int64_t longest = 0;
-  for (int64_t d = 0; d < p.decodes; ++d) {
-    int64_t begin, end;
-    p.keys(d, begin, end);
-    longest = std::max(longest, end - begin);
-  }
+  for (const int64_t r : decodes) longest = std::max<int64_t>(longest, p.seq_lens[r] - p.first_key(p.seq_lens[r] - 1));
   const auto units = [&](int64_t s) { return (items * s + threads - 1) / threads; };  // wall time, in 1/s items
   int64_t best = 1;
   for (int64_t s = 2; s <= std::min(threads, longest / kSplitMinChunk); ++s)
@@ -456,73 +637,138 @@ int64_t num_splits(const Problem& p) {
   return 20 * units(best) < 19 * units(1) * best ? best : 1;
 }
 
-// The tasks (item, split) in one parallel region; an item's output is written by the task that finishes its last
-// split (a counter per item; acq_rel so that task sees the other splits' states), not in a second region.
+// The decodes (requests with one new token): items (decode, KV head), each split in num_splits parts; the tasks
+// (item, split) in one parallel region. An item's output is written by the task that finishes its last split (a
+// counter per item; acq_rel so that task sees the other splits' states), not in a second region.
 template <typename T>
-void run(const Problem& p, const T* query, const T* cache, T* out) {
-  const int64_t splits = num_splits(p);
-  std::vector<float> states(p.items() * splits * State::size(p));
-  std::vector<std::atomic<int64_t>> done(splits > 1 ? p.items() : 0);  // value-initialised: 0
-  auto part = [&](int64_t task) { return &states[task * State::size(p)]; };
-  at::parallel_for(0, p.items() * splits, 1, [&](int64_t first, int64_t last) {
-    Scratch sc(p);
+void run_decodes(const Problem& p, const std::vector<int64_t>& decodes, const T* query, const void* cache, T* out) {
+  const int64_t splits = num_splits(p, decodes), items = static_cast<int64_t>(decodes.size()) * p.kv_heads;
+  const int64_t size = State::size(p, p.group);
+  std::vector<float> states(items * splits * size);
+  std::vector<std::atomic<int64_t>> done(splits > 1 ? items : 0);  // value-initialised: 0
+  at::parallel_for(0, items * splits, 1, [&](int64_t first, int64_t last) {
+    Scratch sc(p, p.group);
     for (int64_t task = first; task < last; ++task) {
       const int64_t item = task / splits, split = task % splits;
-      const int64_t d = item / p.kv_heads, h = item % p.kv_heads;
-      int64_t begin, end;
-      p.keys(d, begin, end);
+      const Span sp{decodes[item / p.kv_heads], item % p.kv_heads, 0, 1};
+      const int64_t end = p.seq_lens[sp.r], begin = p.first_key(end - 1);
       const int64_t chunk = (end - begin + splits - 1) / splits;
       const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
-      load_queries(p, query, d, h, sc);
-      attend_item(p, cache, d, h, lo, hi, sc, State(part(task), p));
+      load_queries(p, query, sp, sc);
+      attend_decode<T>(p, cache, sp, lo, hi, sc, State(&states[task * size], p.group));
       if (splits == 1 || done[item].fetch_add(1, std::memory_order_acq_rel) == splits - 1)
-        finish(p, part(item * splits), splits, d, h, out, sc.row.data());
+        finish(p, &states[item * splits * size], splits, sp, out, sc.row.data());
     }
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_ids,
-                        const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_ids.device().is_cpu() &&
-                  seq_lens.device().is_cpu(), "paged_decode runs on the CPU: every tensor must be a CPU tensor");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [decodes, heads, head_dim], last dim contiguous");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache must have the query's dtype");
+// The extends (requests with several new tokens: prefill chunks, over a cached context or not): spans of up to
+// kExtendRows / group tokens per KV head, costliest first (rows times keys seen), handed to the threads one at a time
+// from a shared counter, so that the long spans at the end of a causal prompt do not all land on one thread.
+template <typename T>
+void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T* query, const void* cache, T* out) {
+  // Tokens per span: kExtendRows / group (each key row read by fewer spans: one 2,000-token prompt ran 25% faster
+  // at 32 tokens than at 10), halved while the spans would be fewer than 4 per thread (to balance the threads).
+  int64_t tokens = std::max<int64_t>(1, kExtendRows / p.group);
+  const auto count = [&](int64_t per) {
+    int64_t n = 0;
+    for (const int64_t r : extends) n += (p.query_len(r) + per - 1) / per * p.kv_heads;
+    return n;
+  };
+  while (tokens > 1 && count(tokens) < 4 * at::get_num_threads()) tokens = (tokens + 1) / 2;
+  std::vector<std::pair<int64_t, Span>> spans;  // (cost, span)
+  for (const int64_t r : extends) {
+    const int64_t ctx = p.context_len(r);
+    for (int64_t t0 = 0; t0 < p.query_len(r); t0 += tokens) {
+      const int64_t t1 = std::min(p.query_len(r), t0 + tokens);
+      const int64_t cost = (t1 - t0) * (ctx + t1 - p.first_key(ctx + t0));
+      for (int64_t h = 0; h < p.kv_heads; ++h) spans.push_back({cost, Span{r, h, t0, t1}});
+    }
+  }
+  std::stable_sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(spans.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t rows = tokens * p.group;
+    Scratch sc(p, rows);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(spans.size());) {
+      const Span& sp = spans[i].second;
+      const int64_t ctx = p.context_len(sp.r);
+      load_queries(p, query, sp, sc);
+      attend_extend<T>(p, cache, sp, p.first_key(ctx + sp.t0), ctx + sp.t1, sc, State(sc.state.data(), sp.rows(p)));
+      finish(p, sc.state.data(), 1, sp, out, sc.row.data());
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                           const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu() &&
+                  seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
+              "paged_attention runs on the CPU: every tensor must be a CPU tensor");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], last dim contiguous");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
                   query.scalar_type() == at::kHalf, "query must be float32, bfloat16 or float16");
-  TORCH_CHECK(block_ids.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong && block_ids.dim() == 1 &&
-                  seq_lens.dim() == 1 && block_ids.is_contiguous() && seq_lens.is_contiguous(),
-              "block_ids and seq_lens must be contiguous 1-D int64");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, head_dim]");
   Problem p;
-  p.decodes = query.size(0);
+  const at::ScalarType stored = kv_cache.scalar_type();
+  if (stored == query.scalar_type()) {
+    TORCH_CHECK(!kv_scales.has_value(), "kv_scales are only for an int8 or fp8 kv_cache");
+  } else {
+    TORCH_CHECK(stored == at::kChar || stored == at::kFloat8_e4m3fn || stored == at::kFloat8_e5m2,
+                "kv_cache must have the query's dtype, or be int8 or fp8 with kv_scales");
+    TORCH_CHECK(kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() &&
+                    kv_scales->sizes().equals(kv_cache.sizes().slice(0, 4)),
+                "an int8 or fp8 kv_cache needs contiguous float32 kv_scales [2, blocks, block_size, kv_heads]");
+    p.storage = stored == at::kChar ? Storage::int8 : stored == at::kFloat8_e4m3fn ? Storage::e4m3 : Storage::e5m2;
+    p.kv_scales = kv_scales->data_ptr<float>();
+    p.scale_values = kv_scales->stride(0);
+  }
+  for (const at::Tensor* t : {&block_table, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_table, seq_lens and query_start_loc must be contiguous int32");
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1 &&
+                  block_table.size(0) == seq_lens.size(0) && query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "need block_table [reqs, max_blocks], seq_lens [reqs] and query_start_loc [reqs + 1]");
+  p.reqs = seq_lens.size(0);
   p.heads = query.size(1);
   p.dim = query.size(2);
   p.kv_heads = kv_cache.size(3);
   p.block_size = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(4) == p.dim && p.kv_heads > 0 && p.heads % p.kv_heads == 0,
               "kv_cache head_dim must equal the query's and num_heads be a multiple of num_kv_heads");
-  TORCH_CHECK(seq_lens.size(0) == p.decodes, "seq_lens must hold one length per decode");
   p.group = p.heads / p.kv_heads;
-  p.num_blocks = p.decodes ? block_ids.size(0) / p.decodes : 0;
-  TORCH_CHECK(block_ids.size(0) == p.decodes * p.num_blocks, "block_ids must hold num_blocks ids per decode");
+  p.table_stride = block_table.size(1);
   p.values = kv_cache.stride(0);
   p.q_stride0 = query.stride(0);
   p.q_stride1 = query.stride(1);
-  p.block_ids = block_ids.data_ptr<int64_t>();
-  p.seq_lens = seq_lens.data_ptr<int64_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.q_start = query_start_loc.data_ptr<int32_t>();
   p.scale = static_cast<float>(scale);
   p.window = sliding_window;
-  for (int64_t d = 0; d < p.decodes; ++d)
-    TORCH_CHECK(p.seq_lens[d] >= 0 && p.seq_lens[d] <= p.num_blocks * p.block_size,
-                "seq_lens must be in [0, num_blocks * block_size]");
-  for (int64_t i = 0; i < block_ids.size(0); ++i)
-    TORCH_CHECK(p.block_ids[i] >= 0 && p.block_ids[i] < kv_cache.size(1), "block_ids must be in [0, cache blocks)");
-  at::Tensor out = at::empty({p.decodes, p.heads, p.dim}, query.options());
-  if (p.decodes == 0) return out;
+  TORCH_CHECK(p.q_start[0] == 0 && p.q_start[p.reqs] == query.size(0),
+              "query_start_loc must run from 0 to the number of query tokens");
+  std::vector<int64_t> decodes, extends;
+  for (int64_t r = 0; r < p.reqs; ++r) {
+    TORCH_CHECK(p.query_len(r) >= 0 && p.query_len(r) <= p.seq_lens[r] &&
+                    p.seq_lens[r] <= p.table_stride * p.block_size,
+                "need 0 <= query_len <= seq_len <= max_blocks * block_size for every request");
+    for (int64_t b = 0; b * p.block_size < p.seq_lens[r]; ++b)
+      TORCH_CHECK(p.block_table[r * p.table_stride + b] >= 0 && p.block_table[r * p.table_stride + b] < kv_cache.size(1),
+                  "block ids must be in [0, cache blocks)");
+    if (p.query_len(r) == 1) decodes.push_back(r);
+    if (p.query_len(r) > 1) extends.push_back(r);
+  }
+  at::Tensor out = at::empty({query.size(0), p.heads, p.dim}, query.options());
   auto go = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    run<T>(p, query.data_ptr<T>(), kv_cache.data_ptr<T>(), out.data_ptr<T>());
+    const T* q = query.data_ptr<T>();
+    if (!decodes.empty()) run_decodes<T>(p, decodes, q, kv_cache.data_ptr(), out.data_ptr<T>());
+    if (!extends.empty()) run_extends<T>(p, extends, q, kv_cache.data_ptr(), out.data_ptr<T>());
   };
   if (query.scalar_type() == at::kFloat)
     go(static_cast<float*>(nullptr));
@@ -536,6 +782,6 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
 }  // namespace
 
 TORCH_LIBRARY(kilat_cpu_attn, m) {
-  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_ids, Tensor seq_lens, float scale, "
-        "int sliding_window) -> Tensor", paged_decode);
+  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor? kv_scales, Tensor block_table, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int sliding_window) -> Tensor", paged_attention);
 }

@@ -6,12 +6,13 @@
 // oracle and the fallback. The kernels are the other extensions' ops, called through the dispatcher (the libraries
 // are loaded first, kilat/model_executor/native.py):
 //   kilat_cpu::rms_norm / add_rms_norm / rotary / silu_and_mul (cpu_layers.cpp), kilat_quant::gemm (quant_gemm.cpp),
-//   kilat_cpu_attn::paged_decode (cpu_attention.cpp); only the KV write (a row copy per token) is done here.
+//   kilat_cpu_attn::paged_attention (cpu_attention.cpp); only the KV write (a row copy per token) is done here.
 //
 // Op (namespace kilat_cpu_decoder):
 //   decoder_layer(x [T, hidden], residual [T, hidden]?, norms, eps, weights, quant, biases, cos [T, 1, hd],
 //                 sin [T, 1, hd], kv_cache [2, blocks, block_size, kvh, hd], slot_mapping int64 [T],
-//                 block_ids int64 [T * nb], seq_lens int64 [T], num_heads, scale, sliding_window)
+//                 block_table int32 [T, nb], seq_lens int32 [T], query_start_loc int32 [T + 1], num_heads, scale,
+//                 sliding_window)
 //     -> (mlp output [T, hidden], residual [T, hidden])
 //   norms: [input_layernorm, post_attention_layernorm] weights, then [q_norm, k_norm] for per-head q/k RMSNorm;
 //   weights: (qweight, scales) of qkv_proj, o_proj, gate_up_proj, down_proj in that order (the packed layout of
@@ -46,7 +47,8 @@ using AddRmsNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, cons
 using Rotary = Tensor(const Tensor&, const Tensor&, const Tensor&);
 using SiluAndMul = Tensor(const Tensor&);
 using Gemm = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, const OptTensor&);
-using PagedDecode = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t);
+using PagedAttention = Tensor(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                              const Tensor&, double, int64_t);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("kilat_cpu::rms_norm");
@@ -54,7 +56,7 @@ struct Ops {
   c10::TypedOperatorHandle<Rotary> rotary = op<Rotary>("kilat_cpu::rotary");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = op<SiluAndMul>("kilat_cpu::silu_and_mul");
   c10::TypedOperatorHandle<Gemm> gemm = op<Gemm>("kilat_quant::gemm");
-  c10::TypedOperatorHandle<PagedDecode> paged_decode = op<PagedDecode>("kilat_cpu_attn::paged_decode");
+  c10::TypedOperatorHandle<PagedAttention> paged_attention = op<PagedAttention>("kilat_cpu_attn::paged_attention");
 };
 
 const Ops& ops() {
@@ -96,11 +98,11 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& kv_cache, co
 std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& residual_in, at::TensorList norms,
                                          double eps, at::TensorList weights, at::IntArrayRef quant,
                                          const c10::List<OptTensor>& biases, const Tensor& cos, const Tensor& sin,
-                                         const Tensor& kv_cache, const Tensor& slot_mapping, const Tensor& block_ids,
-                                         const Tensor& seq_lens, int64_t num_heads, double scale,
-                                         int64_t sliding_window) {
+                                         const Tensor& kv_cache, const Tensor& slot_mapping, const Tensor& block_table,
+                                         const Tensor& seq_lens, const Tensor& query_start_loc, int64_t num_heads,
+                                         double scale, int64_t sliding_window) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a CPU tensor [T, hidden]");
-  for (const Tensor* t : {&cos, &sin, &kv_cache, &slot_mapping, &block_ids, &seq_lens})
+  for (const Tensor* t : {&cos, &sin, &kv_cache, &slot_mapping, &block_table, &seq_lens, &query_start_loc})
     TORCH_CHECK(t->device().is_cpu(), "decoder_layer runs on the CPU: every tensor must be a CPU tensor");
   TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms must hold 2 weights, or 4 with q/k norms");
   TORCH_CHECK(weights.size() == 8 && quant.size() == 16 && biases.size() == 4,
@@ -137,7 +139,8 @@ std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& resid
   }
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
   write_kv(k, v, kv_cache, slot_mapping);
-  const Tensor attn = ops().paged_decode.call(q, kv_cache, block_ids, seq_lens, scale, sliding_window);
+  const Tensor attn = ops().paged_attention.call(q, kv_cache, std::nullopt, block_table, seq_lens, query_start_loc,
+                                                        scale, sliding_window);
   const Tensor o = project(attn.view({tokens, q_size}), 1, weights, quant, biases);
   Tensor h2;
   std::tie(h2, residual) = ops().add_rms_norm.call(o, residual, norms[1], eps);
@@ -161,7 +164,7 @@ bool ready() {
 TORCH_LIBRARY(kilat_cpu_decoder, m) {
   m.def("ready() -> bool", ready);
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] norms, float eps, Tensor[] weights, int[] quant, "
-        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, Tensor block_ids, "
-        "Tensor seq_lens, int num_heads, float scale, int sliding_window) -> (Tensor, Tensor)",
+        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, int num_heads, float scale, int sliding_window) -> (Tensor, Tensor)",
         decoder_layer);
 }

@@ -60,7 +60,7 @@ class Extension:
 QUANT_GEMM = Extension("quant_gemm", "kilat_quant", "KILAT_QUANT_KERNELS", "quantized matmul kernels", "gemm")
 CPU_LAYERS = Extension("cpu_layers", "kilat_cpu", "KILAT_CPU_LAYERS", "CPU layer kernels", "rms_norm")
 CPU_ATTENTION = Extension("cpu_attention", "kilat_cpu_attn", "KILAT_CPU_ATTENTION", "CPU attention kernels",
-                          "paged_decode")
+                          "paged_attention")
 CPU_DECODER = Extension("cpu_decoder", "kilat_cpu_decoder", "KILAT_CPU_DECODER", "fused CPU decoder-layer kernels",
                         "decoder_layer", requires=("quant_gemm", "cpu_layers", "cpu_attention"))
 EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION, CPU_DECODER)}

@@ -1,11 +1,14 @@
-"""The CPU attention backend (``cpu``): C++ kernels that read the paged KV cache in place.
+"""The CPU attention backend (``cpu``): one C++ kernel that reads the paged KV cache in place.
 
-Decodes (requests with one new token) go to ``paged_decode`` (``kilat/csrc/cpu_attention.cpp``) in one call per
-step: every decode of the batch, the GQA heads of one KV head together, long contexts split across threads
-(flash-decoding). Prefill chunks take the torch backend's path (:func:`~.torch_ref.attend_prefills`) for now. The
-kernels are built on first use and cached (:mod:`kilat.model_executor.native`); where they cannot be built (no
-compiler, ``KILAT_CPU_ATTENTION=torch``) ``auto`` resolves to the torch backend with a warning. KV caches in the
-model dtype only: an int8/fp8 cache takes the torch backend.
+Every step is one call per layer of ``paged_attention`` (``kilat/csrc/cpu_attention.cpp``) over the whole batch:
+decodes (one new token) with the GQA heads of one KV head together and long contexts split across threads
+(flash-decoding); prefill chunks (over a cached prefix or not) in tiles of tokens that read each key and value
+row once for all their rows, causal and sliding-window masks applied per row. Caches in the model dtype, int8 or
+fp8 (dequantized as :func:`~.kv_cache.dequantize_kv` does). Its step metadata is the common
+:class:`~.metadata.AttentionMetadata` itself (the kernel reads its int32 ``block_table``, ``seq_lens`` and
+``query_start_loc``): no host planning per step. The kernels are built on first use and cached
+(:mod:`kilat.model_executor.native`); where they cannot be built (no compiler, ``KILAT_CPU_ATTENTION=torch``)
+``auto`` resolves to the torch backend with a warning.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kilat.model_executor.attention.plans import DecodePlan, StepPlans
-from kilat.model_executor.attention.torch_ref import TorchBackend, attend_step
+from kilat.model_executor.attention.backends import AttentionBackend
+from kilat.model_executor.attention.metadata import AttentionMetadata
+from kilat.model_executor.attention.torch_ref import write_kv
 from kilat.model_executor.native import load_extension
 
 
@@ -24,12 +28,10 @@ def cpu_attention_ops() -> Any | None:
     return load_extension("cpu_attention")
 
 
-class CPUBackend(TorchBackend):
-    """``attention_backend="cpu"``: in-place paged decode in C++; the torch backend's step plans, KV write and
-    prefills."""
+class CPUBackend(AttentionBackend):
+    """``attention_backend="cpu"``: the torch backend's KV write, attention in one C++ ``paged_attention`` call."""
 
     name: ClassVar[str] = "cpu"
-    quantized_kv: ClassVar[bool] = False
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:
@@ -38,18 +40,18 @@ class CPUBackend(TorchBackend):
             reason = "its C++ kernels could not be built or are turned off (see the log)"
         return reason
 
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        return common
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        write_kv(kv_cache, key, value, slot_mapping, kv_scales)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: StepPlans, scale: float, sliding_window: int | None = None,
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_scales is not None:
-            raise ValueError("the cpu attention backend reads KV caches in the model dtype only (kv_cache_dtype)")
         ops = cpu_attention_ops()
         if ops is None:
             raise RuntimeError("the cpu attention backend's C++ kernels are unavailable")
-        plan = metadata.decode_batch  # the kernel reads each context in place: one call for every decode
-
-        def decode(_: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
-            return ops.paged_decode(q, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window or 0)
-
-        return attend_step(query, key, value, kv_cache, metadata, [] if plan is None else [plan], decode, scale,
-                           sliding_window, None)
+        return ops.paged_attention(query, kv_cache, kv_scales, metadata.block_table, metadata.seq_lens,
+                                   metadata.query_start_loc, scale, sliding_window or 0)

@@ -1,9 +1,9 @@
-"""The host-side plans of the torch reference and CPU attention backends: their step metadata.
+"""The host-side plans of the torch reference attention backend: its step metadata.
 
-:class:`StepPlans` (built by those backends' ``build_metadata`` from the common
+:class:`StepPlans` (built by the backend's ``build_metadata`` from the common
 :class:`~kilat.model_executor.attention.metadata.AttentionMetadata`) computes each plan the first time a layer asks
-for it and hands every later layer of the step the same object: decode groups for the gather path, all decodes in
-one plan for kernels that read the cache in place, one plan per prefill, and the masks.
+for it and hands every later layer of the step the same object: decode groups for the gather path, one plan per
+prefill, and the masks.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ _MIN_GROUP = 8
 
 @dataclass
 class DecodePlan:
-    """A group of the step's decodes (requests with exactly one new token), attended together in one batched
-    call: of similar length (:attr:`StepPlans.decodes`, for the gather path) or all of them
-    (:attr:`StepPlans.decode_batch`, for kernels that read the cache in place).
+    """A group of the step's decodes (requests with exactly one new token) of similar length
+    (:attr:`StepPlans.decodes`), attended together in one batched call.
 
     Their context is gathered whole blocks at a time (one contiguous ``block_size`` run per index), which
     moves the same bytes as a per-slot gather in far fewer, larger copies; grouping by length keeps the
@@ -89,7 +88,7 @@ class DecodePlan:
 
 @dataclass
 class PrefillPlan:
-    """A request with more than one new token; the torch and CPU backends attend it on its own.
+    """A request with more than one new token; the torch backend attends it on its own.
 
     Attributes:
         start, end: rows ``[start, end)`` of its new tokens in the flattened batch.
@@ -108,7 +107,7 @@ class PrefillPlan:
 
 @dataclass
 class StepPlans:
-    """The torch and CPU backends' metadata of one step: plans over its common metadata, each computed once.
+    """The torch backend's metadata of one step: plans over its common metadata, each computed once.
 
     Attributes:
         common: the step's :class:`AttentionMetadata` (with its host batch: these plans are made on the host).
@@ -137,18 +136,6 @@ class StepPlans:
             return DecodePlan.build_groups(decodes, host.seq_lens, host.block_table, host.query_start_loc,
                                            self.common.block_size, self.common.slot_mapping.device)
         return self._cached("decodes", plan)
-
-    @property
-    def decode_batch(self) -> DecodePlan | None:
-        """Every decode as one :class:`DecodePlan`, in batch order (``None`` when there are none): for kernels
-        that read each context in place, where grouping by length saves nothing."""
-        def plan() -> DecodePlan | None:
-            host, decodes = self.common.require_host(), self._decode_requests()
-            if not decodes:
-                return None
-            return DecodePlan.build(decodes, host.seq_lens, host.block_table, host.query_start_loc,
-                                    self.common.block_size, self.common.slot_mapping.device)
-        return self._cached("decode_batch", plan)
 
     @property
     def prefills(self) -> list[PrefillPlan]:

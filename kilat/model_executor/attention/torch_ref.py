@@ -3,13 +3,12 @@
 It runs on the CPU and CUDA, reads every KV-cache dtype, and is the oracle of the faster backends. A step's decodes
 (requests with one new token) are attended in groups of similar length: one gather of their paged context and one
 ``scaled_dot_product_attention`` call per group, padded to the group's longest context with a key mask. Requests
-with several new tokens (prefill chunks) are attended one by one with the causal offset of their context
-(:func:`attend_prefills`, which the CPU backend shares). Its step metadata is :class:`~.plans.StepPlans`.
+with several new tokens (prefill chunks) are attended one by one with the causal offset of their context. Its step
+metadata is :class:`~.plans.StepPlans`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -19,9 +18,6 @@ from kilat.model_executor.attention.backends import AttentionBackend
 from kilat.model_executor.attention.kv_cache import dequantize_kv, quantize_kv
 from kilat.model_executor.attention.metadata import AttentionMetadata
 from kilat.model_executor.attention.plans import DecodePlan, StepPlans
-
-DecodeFn = Callable[[int, DecodePlan, torch.Tensor], torch.Tensor]
-"""Attention of decode group ``i`` (its :class:`DecodePlan`, its query rows) -> its output rows."""
 
 
 class TorchBackend(AttentionBackend):
@@ -72,40 +68,26 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context (gather + SDPA).
 
-    Call after :func:`write_kv` has stored this step's keys and values. A quantized cache is dequantized as it
-    is gathered, new tokens included (they are read back from the cache, so every backend attends the same
-    stored values). Arguments as :meth:`AttentionBackend.forward`, with the step's :class:`StepPlans`.
+    Call after :func:`write_kv` has stored this step's keys and values. Decodes are attended per length group
+    (:attr:`StepPlans.decodes`), prefill chunks one by one with the causal offset of their context: their new keys
+    when they have no context in an unquantized cache, else their context and new tokens gathered from the cache.
+    A quantized cache is dequantized as it is gathered, new tokens included (they are read back from the cache,
+    so every backend attends the same stored values). Arguments as :meth:`AttentionBackend.forward`, with the
+    step's :class:`StepPlans`.
 
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.
     """
-    def decode(i: int, plan: DecodePlan, q: torch.Tensor) -> torch.Tensor:
-        return _decode_attention(q, kv_cache, kv_scales, plan, plans.decode_mask(i, sliding_window), scale)
+    groups = plans.decodes
 
-    return attend_step(query, key, value, kv_cache, plans, plans.decodes, decode, scale, sliding_window, kv_scales)
+    def decode(i: int, q: torch.Tensor) -> torch.Tensor:
+        return _decode_attention(q, kv_cache, kv_scales, groups[i], plans.decode_mask(i, sliding_window), scale)
 
-
-def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                plans: StepPlans, groups: list[DecodePlan], decode: DecodeFn, scale: float,
-                sliding_window: int | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
-    """One step of the torch and CPU backends: ``decode(i, groups[i], query rows)`` for each decode group (the
-    whole output when the step is one group of decodes only), then :func:`attend_prefills`. Other arguments as
-    :func:`paged_attention`; returns ``[num_new_tokens, num_heads, head_dim]`` in the query dtype."""
     if len(groups) == 1 and plans.common.num_decode_tokens == query.shape[0]:
-        return decode(0, groups[0], query)
+        return decode(0, query)
     out = torch.empty_like(query)
     for i, plan in enumerate(groups):
-        out[plan.rows] = decode(i, plan, query[plan.rows])
-    attend_prefills(query, key, value, kv_cache, plans, scale, sliding_window, kv_scales, out)
-    return out
-
-
-def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    plans: StepPlans, scale: float, sliding_window: int | None, kv_scales: torch.Tensor | None,
-                    out: torch.Tensor) -> None:
-    """Write into ``out`` the attention of each prefill chunk (a request with several new tokens): its new keys
-    when it has no context in an unquantized cache, else its context and new tokens gathered from the cache;
-    one SDPA call each with the causal offset of its context. Arguments as :func:`paged_attention`."""
+        out[plan.rows] = decode(i, query[plan.rows])
     cache = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     scales = None if kv_scales is None else kv_scales.view(2, -1, kv_cache.shape[3])
     for i, plan in enumerate(plans.prefills):
@@ -120,6 +102,7 @@ def attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                            v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=True)
         out[plan.start:plan.end] = o[0].transpose(0, 1)
+    return out
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype

@@ -7,7 +7,7 @@ the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU
 for bit those of the layer's Python forward. It applies only where that forward would run exactly those kernels:
 every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the CPU, a
 step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention backend
-(whose ``paged_decode`` it calls).
+(whose ``paged_attention`` it calls).
 Everything else (prefill chunks, dense, act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes
 the Python forward, layer by layer.
 """
@@ -29,17 +29,20 @@ from kilat.model_executor.native import load_extension
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """What the fused op reads of a decode-only step, in batch order.
+    """What the fused op reads of a decode-only step: the step's
+    :class:`~kilat.model_executor.attention.AttentionMetadata` tensors, in batch order.
 
     Attributes:
         slot_mapping: int64 ``[T]``, the cache slot of each token's key and value.
-        block_ids: int64 ``[T * num_blocks]``, each decode's first ``num_blocks`` KV block ids.
-        seq_lens: int64 ``[T]``, each decode's context including its new token.
+        block_table: int32 ``[T, max_blocks]``, each decode's KV block ids.
+        seq_lens: int32 ``[T]``, each decode's context including its new token.
+        query_start_loc: int32 ``[T + 1]`` (``0, 1, ..., T``: one token per decode).
     """
 
     slot_mapping: torch.Tensor
-    block_ids: torch.Tensor
+    block_table: torch.Tensor
     seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
 
 
 def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
@@ -52,11 +55,10 @@ def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
     metadata = ctx.attn_metadata
     tokens = x.shape[0]
     if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
-            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or metadata.host is None
+            or ctx.fused_kernels or ctx.attn_backend.name != "cpu"
             or metadata.num_decode_tokens != tokens or metadata.num_reqs != tokens):
         return None
-    plan = ctx.backend_metadata.decode_batch
-    return DecodeBatch(metadata.slot_mapping, plan.block_ids, plan.seq_lens)
+    return DecodeBatch(metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
 
 
 class FusedDecoderLayer:
@@ -105,5 +107,5 @@ class FusedDecoderLayer:
         attn = self._attn
         kv_cache = get_forward_context().kv_caches[attn.layer_idx]
         return self._ops.decoder_layer(x, residual, self._norms, self._eps, self._weights, self._quant, self._biases,
-                                       cos, sin, kv_cache, batch.slot_mapping, batch.block_ids, batch.seq_lens,
-                                       attn.num_heads, attn.scale, attn.sliding_window or 0)
+                                       cos, sin, kv_cache, batch.slot_mapping, batch.block_table, batch.seq_lens,
+                                       batch.query_start_loc, attn.num_heads, attn.scale, attn.sliding_window or 0)
