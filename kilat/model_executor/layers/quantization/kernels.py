@@ -32,8 +32,14 @@ computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output ro
   block of 32) was measured here at +6% NLL on SmolLM2 Q4_1; these 16 bits are not measurable
   (``kilat bench quality``, docs/benchmarks.md).
 
-From :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the dense float32
-matmul (exact, and faster there). Without the extension (no compiler, build error, or
+- CPUs with AVX2 and FMA but no AVX-512: below 8 rows of ``x``, the same two paths on 256-bit vectors (the integer one
+  with ``vpmaddubsw``/``vpmaddwd``); from 8 rows on, any dtype, each block of 16 weight rows is dequantized once into a
+  float32 tile (:func:`dequantize`'s values) and multiplied by 6 rows of ``x`` at a time with FMAs: dequantize-then-
+  matmul in float32 up to float32 rounding, ~1.6x the integer path at 64 rows on the Zen 1 machine and faster than
+  dequantizing for a dense matmul at every prefill size measured (docs/benchmarks.md).
+
+Elsewhere, from :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the
+dense float32 matmul (exact, and faster there). Without the extension (no compiler, build error, or
 ``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
 """
 
@@ -51,8 +57,9 @@ ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 COLS = 4  # columns per chunk (one 32-bit lane holds 4 bytes)
 DENSE_MIN_M = 128
 """From this many rows of ``x`` on (prefill), :func:`quant_linear` dequantizes the weight to float32 and runs the dense
-float32 matmul, whatever ``x``'s dtype: exact, and at M = 512 on this CPU (AVX-512 without AMX) faster than dense
-bfloat16 on every SmolLM2 shape; below it the kernels win (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
+float32 matmul, whatever ``x``'s dtype, except on AVX2 builds (whose tile path is faster there): exact, and at M = 512
+on an AVX-512 CPU without AMX faster than dense bfloat16 on every SmolLM2 shape; below it the kernels win
+(benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -223,8 +230,9 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
     Returns:
         ``[..., N]`` in ``x.dtype``. With the C++ kernels: below :data:`DENSE_MIN_M` rows the float32 path or,
-        for 16-bit ``x`` on AVX512-VNNI, the integer path (both in the module docstring), rounded once to
-        ``x.dtype``; from :data:`DENSE_MIN_M` rows the dense float32 matmul of the dequantized weight. On the
+        for 16-bit ``x`` on AVX512-VNNI or AVX2, the integer path, and on AVX2 from 8 rows the tile path (all in the
+        module docstring), rounded once to ``x.dtype``; from :data:`DENSE_MIN_M` rows (not on AVX2) the dense
+        float32 matmul of the dequantized weight. On the
         torch path ``F.linear(x, dequantize(w, x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds
         the weight to that dtype.
 
@@ -236,7 +244,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     ops = _native_for(x)
     if ops is None or x.dtype not in NATIVE_DTYPES:
         return F.linear(x, dequantize(w, x.dtype), bias)
-    if x.numel() >= DENSE_MIN_M * w.in_features:
+    if x.numel() >= DENSE_MIN_M * w.in_features and not ops.has_avx2():
         y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))
         return y.to(x.dtype)
     return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
