@@ -367,11 +367,15 @@ def main() -> None:
         try:
             run = (run_hf() if name == "hf" else
                    run_server_peer(name, args.w5, tuple(args.workloads.split(",")), vllm_dtype(args.vllm_dtype)))
-            results["peers"][name] = {**results["peers"].get(name, {}), **run}
+            stamp = {"run_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit}
+            for value in run.values():  # each workload says when and at which commit it ran (--update merges)
+                if isinstance(value, dict):
+                    value.update(stamp)
+            kept = {k: v for k, v in results["peers"].get(name, {}).items() if k != "error"}
+            results["peers"][name] = {**kept, **run, **stamp}
         except Exception as e:
-            results["peers"][name] = {"error": f"{type(e).__name__}: {e}"}
+            results["peers"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"
             print(f"{name}: FAILED {e}", flush=True)
-        results["peers"][name].update(run_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), commit=commit)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     print(table)

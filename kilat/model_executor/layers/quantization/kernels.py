@@ -21,8 +21,8 @@ to a multiple of 32, the one group then spanning ``Kp``):
 Kernels: the C++ extension in ``kilat/csrc/quant_gemm.cpp`` (built on first use by :mod:`kilat.model_executor.native`)
 computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output rounded once to ``x``'s dtype:
 
-- float32 ``x`` (and any ``x`` without AVX512-VNNI): ``q`` widened to float32 and multiplied with FMAs (AVX-512;
-  portable loops otherwise): dequantize-then-matmul in float32 up to float32 rounding.
+- float32 ``x`` (and any ``x`` with neither AVX512-VNNI nor AVX2): ``q`` widened to float32 and multiplied with
+  FMAs (AVX-512 or AVX2; portable loops otherwise): dequantize-then-matmul in float32 up to float32 rounding.
 - bfloat16/float16 ``x`` with AVX512-VNNI: each block of 16 or 32 values of ``x`` becomes 16-bit integers
   ``v = x / 2^e`` (``2^e`` a power of two fitting the block's largest ``|x|`` into 15 bits; bfloat16 values within
   ``2^6`` of that largest are exact, smaller ones are off by at most ``1/32639`` of it), split into two int8 halves,
