@@ -144,7 +144,7 @@ def bench_step(backend_name: str, seed: int, max_tokens: int) -> dict[str, Any]:
         spent.update(attention=0.0, matmul=0.0)
         start = time.perf_counter()
         out = real_execute(sched, *args, **kwargs)
-        if len(sched.scheduled) == 64 and all(n == 1 for _, n in sched.scheduled):
+        if len(sched.num_scheduled_tokens) == 64 and all(n == 1 for n in sched.num_scheduled_tokens.values()):
             steps.append((time.perf_counter() - start, spent["attention"], spent["matmul"]))
         return out
 

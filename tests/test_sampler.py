@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kilat.core.request import Request
+from kilat.model_executor.request_state import CachedRequestState
 from kilat.model_executor.sampler import (
     Sampler,
     apply_logit_bias,
@@ -18,6 +18,7 @@ from kilat.model_executor.sampler import (
     compute_prompt_logprobs,
 )
 from kilat.sampling_params import SamplingParams
+from tests.request_states import make_state
 
 EOS = 3
 # probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1
@@ -26,11 +27,8 @@ LOGITS = PROBS.log()
 
 
 def make_request(prompt: list[int] | None = None, output: list[int] | None = None, rid: str = "r",
-                 **params: Any) -> Request:
-    request = Request(rid, prompt or [0], SamplingParams(**params), eos_token_id=EOS)
-    for token in output or []:
-        request.append_output_token(token)
-    return request
+                 **params: Any) -> CachedRequestState:
+    return make_state(rid, prompt or [0], SamplingParams(**params), EOS, output=output)
 
 
 def rows(*logits: torch.Tensor | list[float]) -> torch.Tensor:
@@ -173,10 +171,10 @@ def test_different_seeds_differ(sampler: Sampler) -> None:
 
 
 def test_same_seed_n_completions_differ(sampler: Sampler) -> None:
-    # Request seeds its generator with seed + index, so the n completions of a seeded prompt differ.
+    # The runner seeds a request's generator with seed + index, so the n completions of a seeded prompt differ.
     logits = torch.zeros(2, 64)
     params = SamplingParams(seed=11, n=2)
-    requests = [Request(f"r-{i}", [0], params, EOS, index=i) for i in range(2)]
+    requests = [make_state(f"r-{i}", [0], params, EOS, index=i) for i in range(2)]
     tokens = [sampler(logits, requests).token_ids for _ in range(20)]
     assert [t[0] for t in tokens] != [t[1] for t in tokens]
 

@@ -4,6 +4,7 @@ from kilat.config import SchedulerConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
 from kilat.core.scheduler import Scheduler
+from kilat.core.scheduler_output import ModelRunnerOutput
 from kilat.sampling_params import SamplingParams
 
 
@@ -18,31 +19,32 @@ def req(rid, n, max_tokens=4):
 
 def run_step(s, token=7):
     out = s.schedule()
-    sampled = {r.request_id: [token] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    return out, s.update_from_output(out, sampled)
+    sampled = {rid: [token] for rid, n in out.num_scheduled_tokens.items()
+               if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens}
+    return out, s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
 
 
 def test_budget_chunks_long_prompt_and_running_first():
     s, _ = make(budget=16)
     s.add_request(req("a", 5))
     out, _ = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 5)]
     s.add_request(req("b", 40))
     out, _ = run_step(s)
     # the running request decodes first; the long prompt gets the rest of the budget.
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 15)]
-    assert out.num_scheduled_tokens == 16
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    assert out.total_num_scheduled_tokens == 16
     out, _ = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 15)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
     out, _ = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 10)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 10)]
 
 
 def test_no_chunking_waits_for_budget():
     s, _ = make(budget=16, chunked=False)
     s.add_request(req("a", 20))
     out = s.schedule()
-    assert out.scheduled == [] and len(s.waiting) == 1
+    assert out.num_scheduled_tokens == {} and len(s.waiting) == 1
 
 
 def test_max_num_seqs():
@@ -50,7 +52,7 @@ def test_max_num_seqs():
     for i in range(3):
         s.add_request(req(str(i), 3))
     out, _ = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["0", "1"]
+    assert list(out.num_scheduled_tokens) == ["0", "1"]
 
 
 def test_preemption_recomputes_newest_and_frees_blocks():
@@ -62,8 +64,8 @@ def test_preemption_recomputes_newest_and_frees_blocks():
     run_step(s)  # token 8 still fits in 2 blocks
     assert s.num_preemptions == 0
     out, _ = run_step(s)  # token 9 needs a third block: the newest request (b) is preempted
-    assert [r.request_id for r in out.preempted] == ["b"]
-    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert out.preempted_req_ids == {"b"}
+    assert list(out.num_scheduled_tokens) == ["a"]
     b = next(r for r in s.waiting if r.request_id == "b")
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.output_token_ids, "generated tokens are kept across preemption"
@@ -96,9 +98,9 @@ def test_n_siblings_wait_for_leader_and_share_prompt_blocks():
     s.add_request(leader)
     s.add_request(child)
     out, _ = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["p-0"]
+    assert list(out.num_scheduled_tokens) == ["p-0"]
     out, _ = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("p-0", 1), ("p-1", 1)]
+    assert list(out.num_scheduled_tokens.items()) == [("p-0", 1), ("p-1", 1)]
     assert child.num_cached_tokens == 8
     assert kv.get_block_ids(child)[:2] == kv.get_block_ids(leader)[:2]
 

@@ -11,12 +11,15 @@ from scipy.stats import chisquare
 
 from kilat.config import EngineArgs, SchedulerConfig, SpeculativeConfig
 from kilat.core.kv_cache_manager import KVCacheManager
-from kilat.core.request import Request, RequestStatus
+from kilat.core.request import Request
 from kilat.core.scheduler import Scheduler
+from kilat.core.scheduler_output import ModelRunnerOutput
+from kilat.model_executor.request_state import CachedRequestState
 from kilat.sampling_params import SamplingParams
 from kilat.spec_decode.ngram import ngram_lookup
 from kilat.spec_decode.proposer import num_draft_slots
 from kilat.spec_decode.rejection import verify
+from tests.request_states import make_state
 
 
 def test_config_parses_json_and_names_bad_fields():
@@ -51,25 +54,32 @@ def test_ngram_lookup_copies_what_followed_the_latest_longest_match():
 
 
 def test_draft_slots_respect_max_tokens_and_model_len():
-    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=None)
-    request.status = RequestStatus.RUNNING
-    assert num_draft_slots(request, 4, 100) == 0  # the prompt is not computed yet
+    request = make_state("r", [1, 2, 3], SamplingParams(max_tokens=5))
+    assert num_draft_slots(request, 4, 100, sampled=False) == 0  # the prompt is not computed yet
+    request.num_computed_tokens = 2
+    # a prompt chunk that ended one token short: as many tokens computed as when decoding, but no sample
+    assert num_draft_slots(request, 4, 100, sampled=False) == 0
     request.num_computed_tokens = 3
-    request.append_output_token(9)
-    assert num_draft_slots(request, 8, 100) == 3  # 1 output, max 5: 3 drafts + the target's own token
-    assert num_draft_slots(request, 2, 100) == 2
+    request.append_tokens([9])
+    assert num_draft_slots(request, 8, 100, sampled=True) == 3  # 1 output, max 5: 3 drafts + the target's token
+    assert num_draft_slots(request, 2, 100, sampled=True) == 2
     # a draft at position 4, then the target's token at position 5, the last below max_model_len 6
-    assert num_draft_slots(request, 8, 6) == 1
-    request.status = RequestStatus.FINISHED_STOPPED
-    assert num_draft_slots(request, 8, 100) == 0
+    assert num_draft_slots(request, 8, 6, sampled=True) == 1
+    request.append_tokens([10, 11, 12, 13])
+    request.num_computed_tokens = 7
+    assert num_draft_slots(request, 8, 100, sampled=True) == 0  # max_tokens reached
+
+
+def sampled(tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(sampled_token_ids=tokens)
 
 
 def _decoding_request(scheduler: Scheduler, prompt_len: int) -> Request:
     request = Request("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), eos_token_id=None)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r", prompt_len)]
-    scheduler.update_from_output(out, {"r": [50]})
+    assert out.num_scheduled_tokens == {"r": prompt_len}
+    scheduler.update_from_output(out, sampled({"r": [50]}))
     return request
 
 
@@ -80,21 +90,27 @@ def test_rejected_drafts_roll_back_and_free_their_blocks():
     assert (request.num_computed_tokens, request.num_tokens, kv.num_free_blocks) == (7, 8, 14)
     request.spec_token_ids = [60, 61, 62, 63, 64]
     out = scheduler.schedule()
-    assert [n for _, n in out.scheduled] == [6]  # the last token and 5 drafts: slots up to 13 → 4 blocks
+    assert out.num_scheduled_tokens == {"r": 6}  # the last token and 5 drafts: slots up to 13 → 4 blocks
+    assert out.scheduled_spec_decode_tokens == {"r": [60, 61, 62, 63, 64]}
     assert kv.num_free_blocks == 12
-    scheduler.update_from_output(out, {"r": [60, 70]})  # first draft accepted, then the target's 70
+    scheduler.update_from_output(out, sampled({"r": [60, 70]}))  # first draft accepted, then the target's 70
     assert request.output_token_ids == [50, 60, 70]
     assert (request.num_computed_tokens, request.num_tokens) == (9, 10)
     assert request.spec_token_ids == []
     assert kv.num_free_blocks == 13  # the 4th block held only rejected drafts
-    # the budget trims drafts: 3 tokens left for the last token + 2 drafts
-    scheduler.config.max_num_batched_tokens = 3
-    request.spec_token_ids = [1, 2, 3, 4]
+    # the budget trims drafts: 5 tokens left for the last token + 4 drafts
+    scheduler.config.max_num_batched_tokens = 5
+    request.spec_token_ids = [1, 2, 3, 4, 5]
     out = scheduler.schedule()
-    assert [n for _, n in out.scheduled] == [3] and request.spec_token_ids == [1, 2]
-    scheduler.update_from_output(out, {"r": [1, 2, 8]})  # all accepted, plus a bonus token
-    assert (request.num_computed_tokens, request.num_tokens) == (12, 13)
-    assert request.output_token_ids == [50, 60, 70, 1, 2, 8]
+    assert out.num_scheduled_tokens == {"r": 5} and out.scheduled_spec_decode_tokens == {"r": [1, 2, 3, 4]}
+    # slots up to 14 need 4 blocks again: the runner, which still lists the freed 4th block, keeps 3 and
+    # appends the new one
+    cached = out.scheduled_cached_reqs
+    assert (cached.num_blocks, cached.new_block_ids, cached.num_computed_tokens) == (
+        [4], [kv.get_block_ids(request)[3:]], [9])
+    scheduler.update_from_output(out, sampled({"r": [1, 2, 3, 4, 8]}))  # all accepted, plus a bonus token
+    assert (request.num_computed_tokens, request.num_tokens) == (14, 15)
+    assert request.output_token_ids == [50, 60, 70, 1, 2, 3, 4, 8]
 
 
 def test_stop_inside_accepted_drafts_drops_the_rest():
@@ -102,9 +118,9 @@ def test_stop_inside_accepted_drafts_drops_the_rest():
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=256)
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), eos_token_id=2)
     scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), {"r": [50]})
+    scheduler.update_from_output(scheduler.schedule(), sampled({"r": [50]}))
     request.spec_token_ids = [51, 2, 53]
-    finished = scheduler.update_from_output(scheduler.schedule(), {"r": [51, 2, 53, 54]})
+    finished = scheduler.update_from_output(scheduler.schedule(), sampled({"r": [51, 2, 53, 54]}))
     assert finished == [request] and request.output_token_ids == [50, 51, 2]
     assert request.status.finish_reason == "stop" and kv.num_free_blocks == 16
 
@@ -120,14 +136,14 @@ def test_draft_model_lookahead_slots_are_reserved(block_size, prompt_len, max_mo
                           max_model_len=max_model_len, num_lookahead_tokens=4)
     request = Request("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), eos_token_id=None)
     scheduler.add_request(request)
-    assert [n for _, n in scheduler.schedule().scheduled] == [prompt_len]
+    assert scheduler.schedule().num_scheduled_tokens == {"r": prompt_len}
     assert len(kv.get_block_ids(request)) == num_blocks
 
 
-def _requests(n: int, drafts: list[list[int]], q: torch.Tensor | None, **params) -> list[Request]:
+def _requests(n: int, drafts: list[list[int]], q: torch.Tensor | None, **params) -> list[CachedRequestState]:
     requests = []
     for i in range(n):
-        request = Request(f"r{i}", [0], SamplingParams(temperature=1.0, seed=i, **params), eos_token_id=None)
+        request = make_state(f"r{i}", [0], SamplingParams(temperature=1.0, seed=i, **params))
         request.spec_token_ids = list(drafts[i])
         request.spec_probs = q
         requests.append(request)
@@ -167,9 +183,9 @@ def test_rejection_sampling_keeps_target_distribution(proposer):
 def test_greedy_verification_accepts_matching_prefix_and_reports_logprobs():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0],  # request a: drafts 1, 2
                            [4.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # request b: draft 1
-    a = Request("a", [0], SamplingParams(temperature=0, logprobs=1), eos_token_id=None)
+    a = make_state("a", [0], SamplingParams(temperature=0, logprobs=1))
     a.spec_token_ids = [1, 2]
-    b = Request("b", [0], SamplingParams(temperature=0), eos_token_id=None)
+    b = make_state("b", [0], SamplingParams(temperature=0))
     b.spec_token_ids = [1]
     (tokens_a, logprobs_a), (tokens_b, logprobs_b) = verify(logits, [a, b])
     assert tokens_a == [1, 0]  # draft 1 matches row 0's argmax; draft 2 differs from row 1's argmax 0
@@ -183,6 +199,6 @@ def test_penalties_see_earlier_drafts():
     # Without the draft before it, row 1's argmax is token 1; a repetition penalty on the accepted draft 1
     # makes it token 2, as non-speculative decoding would after sampling 1.
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 2.0]])
-    request = Request("a", [0], SamplingParams(temperature=0, repetition_penalty=2.0), eos_token_id=None)
+    request = make_state("a", [0], SamplingParams(temperature=0, repetition_penalty=2.0))
     request.spec_token_ids = [1]
     assert verify(logits, [request])[0][0] == [1, 2]

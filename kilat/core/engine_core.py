@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
-from kilat.core.scheduler import Scheduler, SchedulerOutput
+from kilat.core.scheduler import Scheduler
+from kilat.core.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, SchedulerOutput
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
 from kilat.model_executor.model_runner import ModelRunner
 from kilat.outputs import PositionLogprobs, RequestError, RequestMetrics
-from kilat.spec_decode import Proposer, build_proposer
 
 if TYPE_CHECKING:
     from kilat.structured_outputs.manager import StructuredOutputManager
@@ -78,10 +78,7 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        spec = config.speculative
-        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self.runner)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   self.proposer.num_lookahead_tokens if self.proposer is not None else 0)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.runner.num_lookahead_tokens)
         self.stats = EngineStats()
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d), kv_cache_dtype %s (%s, "
@@ -164,8 +161,23 @@ class EngineCore:
     def _fail_step(self, sched: SchedulerOutput) -> None:
         """The step's KV was not (fully) written: abort its requests and drop every cached hash, so that no
         later request reuses a block holding garbage; other requests simply recompute."""
-        self.abort_requests([r.request_id for r, _ in sched.scheduled])
+        self.abort_requests(list(sched.num_scheduled_tokens))
+        self.scheduler.finished_req_ids |= sched.finished_req_ids  # the runner may not have dropped them
         self.kv.pool.reset_prefix_cache()
+
+    def _add_grammar_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request has a
+        grammar (rows in batch order: ``1 +`` its scheduled drafts per request)."""
+        sampling = [r for rid, r in requests.items()
+                    if r.num_computed_tokens + sched.num_scheduled_tokens[rid] >= r.num_tokens]
+        if all(r.grammar is None for r in sampling):
+            return
+        from kilat.structured_outputs.manager import build_bitmask
+
+        sched.grammar_bitmask = build_bitmask([r.grammar for r in sampling], self.runner.hf_config.vocab_size,
+                                              [sched.scheduled_spec_decode_tokens.get(r.request_id, [])
+                                               for r in sampling])
+        sched.structured_output_request_ids = [r.request_id for r in sampling]
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return an output for every request that sampled a token or finished.
@@ -183,31 +195,23 @@ class EngineCore:
         outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
                    for r in self.abort_requests(list(failed))]
         sched = self.scheduler.schedule()
+        requests = {rid: self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens}
+        num_before = {rid: r.num_output_tokens for rid, r in requests.items()}
         try:
-            results = self.runner.execute(sched, self.kv) if sched.scheduled else {}
-        except Exception as e:
+            self._add_grammar_bitmask(sched, requests)
+            result = self.runner.execute(sched) if sched.num_scheduled_tokens or sched.finished_req_ids \
+                else EMPTY_MODEL_RUNNER_OUTPUT
+        except Exception as e:  # the grammar matchers, the model or the draft model raised
             self._fail_step(sched)
-            raise StepFailed([r.request_id for r, _ in sched.scheduled], e) from e
+            raise StepFailed(list(requests), e) from e
         now = time.time()
-        num_drafts = {r.request_id: len(r.spec_token_ids) for r, _ in sched.scheduled}
-        num_before = {r.request_id: r.num_output_tokens for r, _ in sched.scheduled}
-        block_tables = [self.kv.get_block_ids(r) if self.proposer is not None and self.proposer.num_lookahead_tokens
-                        else [] for r, _ in sched.scheduled]
-        sampled = {rid: tokens for rid, (tokens, _) in results.items()}
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        if self.proposer is not None:
-            try:
-                self.proposer.propose([r for r, _ in sched.scheduled], block_tables)
-            except Exception as e:  # the draft model raised: as a failed step, after the tokens were added
-                self._fail_step(sched)
-                raise StepFailed([r.request_id for r, _ in sched.scheduled], e) from e
-
-        for request, _ in sched.scheduled:
-            rid = request.request_id
-            if rid not in results:
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result)}
+        for rid, request in requests.items():
+            if rid not in result.sampled_token_ids:
                 continue
-            tokens, logprobs = results[rid]
-            self.stats.spec_decode.observe(num_drafts[rid], len(tokens) - 1)
+            logprobs = result.logprobs.get(rid)
+            self.stats.spec_decode.observe(len(sched.scheduled_spec_decode_tokens.get(rid, ())),
+                                           len(result.sampled_token_ids[rid]) - 1)
             new_tokens = request.output_token_ids[num_before[rid]:]
             metrics = request.metrics
             if metrics.first_token_time is None:
@@ -231,15 +235,15 @@ class EngineCore:
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1
-        self.stats.num_preemptions += len(sched.preempted)
+        self.stats.num_preemptions += len(sched.preempted_req_ids)
         self.stats.prefix_cache_queries = self.kv.prefix_queries
         self.stats.prefix_cache_hits = self.kv.prefix_hits
         self.stats.last_step = StepStats(
-            num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_scheduled_tokens=sched.total_num_scheduled_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage,
-            num_preempted=len(sched.preempted),
+            num_preempted=len(sched.preempted_req_ids),
             step_time=time.perf_counter() - start,
         )
         return outputs

@@ -137,6 +137,10 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         return self.pool.free_blocks(blocks[::-1])
 
-    def get_block_ids(self, request: Request) -> list[int]:
-        """Physical block ids of the request, in token order."""
-        return [b.block_id for b in self.req_blocks.get(request.request_id, [])]
+    def get_block_ids(self, request: Request, start: int = 0) -> list[int]:
+        """Physical block ids of the request in token order, from its ``start``-th block on."""
+        return [b.block_id for b in self.req_blocks.get(request.request_id, [])[start:]]
+
+    def num_blocks(self, request: Request) -> int:
+        """How many blocks the request holds."""
+        return len(self.req_blocks.get(request.request_id, ()))

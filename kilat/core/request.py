@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from kilat.outputs import PositionLogprobs, RequestMetrics
 from kilat.sampling_params import SamplingParams
 
@@ -65,7 +63,25 @@ class EngineCoreRequest:
     index: int = 0
 
 
-class Request:
+class TokenSequence:
+    """A prompt and the tokens generated after it: shared by the core's :class:`Request` and the runner's
+    ``CachedRequestState``, which each keep their own copy."""
+
+    all_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.output_token_ids)
+
+
+class Request(TokenSequence):
     """A sequence being computed by the engine core.
 
     Args:
@@ -102,12 +118,6 @@ class Request:
                                       num_prompt_tokens=self.num_prompt_tokens)
         self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
-        self.spec_probs: torch.Tensor | None = None  # float32 [len(spec_token_ids), V]: the draft model's q
-        self.draft_num_computed = 0  # leading positions whose draft-model KV is valid
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed + index)
 
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, group_leader: Request | None = None) -> Request:
@@ -116,24 +126,13 @@ class Request:
                    r.parent_id, r.index, group_leader)
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Generated tokens."""
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         """True once the request reached any ``FINISHED_*`` status."""
         return self.status.finished
 
     def clear_drafts(self) -> None:
-        """Drop the draft tokens (and their draft distributions)."""
+        """Drop the draft tokens."""
         self.spec_token_ids = []
-        self.spec_probs = None
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (and advance the request's grammar, if it has one)."""

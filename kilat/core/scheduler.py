@@ -8,32 +8,21 @@ Speculative decoding fits the same rule: a request's ``k`` draft tokens count as
 decoding request is scheduled for ``k + 1`` tokens (fewer drafts when the budget is short). After the
 target verified them, ``num_computed_tokens`` advances past the accepted drafts only, and the blocks that
 held nothing but rejected drafts are freed.
+
+The runner learns all this from the :class:`SchedulerOutput` data alone (new requests in full, the others as
+diffs: new block ids, computed tokens, resumed-from-preemption), and the scheduler learns the sampled tokens and
+the next drafts from the :class:`ModelRunnerOutput`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from kilat.config import SchedulerConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes.
-
-    Attributes:
-        scheduled: (request, num_new_tokens) in batch order: running requests first, then admitted ones.
-        num_scheduled_tokens: Σ num_new_tokens (≤ ``max_num_batched_tokens``).
-        preempted: requests that lost their blocks this step.
-    """
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
+from kilat.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -57,6 +46,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.finished_req_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
+        self._num_sent_blocks: dict[str, int] = {}  # request id → block ids the runner holds for it
 
     @property
     def num_unfinished(self) -> int:
@@ -97,6 +88,8 @@ class Scheduler:
         request.grammar = None
         request.clear_drafts()
         self.requests.pop(request.request_id, None)
+        self._num_sent_blocks.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
         request.metrics.finished_time = time.time()
 
     def _preempt_last(self) -> Request:
@@ -105,6 +98,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.clear_drafts()
+        self._num_sent_blocks.pop(victim.request_id, None)
         victim.metrics.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -116,8 +110,6 @@ class Scheduler:
             request.clear_drafts()
         elif room < len(request.spec_token_ids):
             request.spec_token_ids = request.spec_token_ids[:room]
-            if request.spec_probs is not None:
-                request.spec_probs = request.spec_probs[:room]
 
     def _lookahead(self, request: Request, scheduled_end: int) -> int:
         """Draft-model slots to reserve when the step's chunk (ending at token ``scheduled_end``) reaches the
@@ -147,7 +139,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating (or preempting for) their blocks."""
-        out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        resumed: set[str] = set()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         i = 0
@@ -163,17 +157,17 @@ class Scheduler:
             num_new = min(num_new, budget)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
-                out.preempted.append(self._preempt_last())
-                if out.preempted[-1] is request:
+                preempted.append(self._preempt_last())
+                if preempted[-1] is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append((request, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
             i += 1
 
         skipped: list[Request] = []
-        while (not out.preempted and self.waiting and budget > 0
+        while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             grammar = request.grammar
@@ -190,35 +184,66 @@ class Scheduler:
                                           self._lookahead(request, num_hit + num_new)):
                 break
             self.waiting.popleft()
+            if request.status == RequestStatus.PREEMPTED:
+                resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            request.draft_num_computed = num_hit  # cached blocks hold a draft model's KV too
             if request.num_cached_tokens < 0:
                 self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
                 request.num_cached_tokens = num_hit
                 request.metrics.num_cached_tokens = num_hit
                 request.metrics.first_scheduled_time = time.time()
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return self._output(scheduled, preempted, resumed, self.config.max_num_batched_tokens - budget)
+
+    def _output(self, scheduled: list[tuple[Request, int]], preempted: list[Request], resumed: set[str],
+                num_tokens: int) -> SchedulerOutput:
+        """The step as data: new requests in full, the others as what changed since the runner last saw them."""
+        out = SchedulerOutput(total_num_scheduled_tokens=num_tokens, finished_req_ids=self.finished_req_ids,
+                              preempted_req_ids={r.request_id for r in preempted})
+        self.finished_req_ids = set()
+        for request, num_new in scheduled:
+            rid = request.request_id
+            out.num_scheduled_tokens[rid] = num_new
+            if request.spec_token_ids:
+                out.scheduled_spec_decode_tokens[rid] = list(request.spec_token_ids)
+            num_sent = self._num_sent_blocks.get(rid)
+            new_blocks = self.kv.get_block_ids(request, num_sent or 0)
+            num_blocks = (num_sent or 0) + len(new_blocks)
+            self._num_sent_blocks[rid] = num_blocks
+            if num_sent is not None or rid in resumed:
+                out.scheduled_cached_reqs.append(rid, rid in resumed, new_blocks, num_blocks,
+                                                 request.num_computed_tokens)
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, request.prompt_token_ids, request.sampling_params, request.eos_token_id, request.index,
+                    new_blocks, request.num_computed_tokens))
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens past the accepted drafts, append sampled tokens, finish requests that stop.
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens past the accepted drafts, append sampled tokens, finish requests that stop,
+        and take the drafts proposed for the next step.
 
-        ``sampled`` maps request id → the tokens the step produced for it (only requests whose chunk reached
-        their last token sample): its accepted draft tokens, then the target's own token. Tokens after one
-        that ends the request are dropped. Returns the requests that finished this step.
+        ``result.sampled_token_ids`` maps request id → the tokens the step produced for it (only requests whose
+        chunk reached their last token sample): its accepted draft tokens, then the target's own token. Tokens
+        after one that ends the request are dropped. Returns the requests that finished this step.
         """
         finished = []
-        for request, num_new in out.scheduled:
-            tokens = sampled.get(request.request_id)
-            num_drafts = len(request.spec_token_ids)
-            request.num_computed_tokens += num_new
-            if tokens is None:
+        for rid, num_new in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:  # ended between schedule() and now
                 continue
+            request.num_computed_tokens += num_new
+            if rid in result.prompt_logprobs:
+                request.prompt_logprobs.extend(result.prompt_logprobs[rid])
+            tokens = result.sampled_token_ids.get(rid)
+            if tokens is None:
+                request.spec_token_ids = result.spec_token_ids.get(rid, [])
+                continue
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
             if num_drafts:
                 request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
                 request.clear_drafts()
@@ -230,6 +255,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
                 finished.append(request)
-            elif num_drafts:
+                continue
+            if num_drafts:
                 self.kv.free_tail(request, request.num_tokens + self.num_lookahead_tokens)
+                self._num_sent_blocks[rid] = min(self._num_sent_blocks[rid], self.kv.num_blocks(request))
+            request.spec_token_ids = result.spec_token_ids.get(rid, [])
         return finished

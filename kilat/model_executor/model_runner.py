@@ -1,7 +1,9 @@
 """Turns a :class:`SchedulerOutput` into one model forward and one batched sampling call.
 
-Owns the model, the paged KV cache tensors and the sampler. Input tensors are built once per step:
-``input_ids`` / ``positions`` int64 ``[num_scheduled_tokens]`` and the shared ``AttentionMetadata``.
+Owns the model, the paged KV cache tensors, the sampler, the speculative-decoding proposer and its own state of
+every request it holds (:class:`CachedRequestState`), kept from the scheduler's data alone. Input tensors are
+built once per step: ``input_ids`` / ``positions`` int64 ``[num_scheduled_tokens]`` and the shared
+``AttentionMetadata``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ import logging
 import torch
 
 from kilat.config import EngineConfig
-from kilat.core.kv_cache_manager import KVCacheManager
-from kilat.core.request import Request
-from kilat.core.scheduler import SchedulerOutput
+from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kilat.model_executor.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -27,8 +27,10 @@ from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.loader.metadata import max_position_embeddings
+from kilat.model_executor.request_state import CachedRequestState
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
 from kilat.outputs import PositionLogprobs
+from kilat.spec_decode import Proposer, build_proposer
 from kilat.spec_decode.rejection import verify
 
 logger = logging.getLogger("kilat")
@@ -55,6 +57,10 @@ class ModelRunner:
         draft_model: the speculative-decoding draft model (method ``draft_model``), or ``None``.
         draft_kv_caches, draft_kv_scales: its KV cache (in the same ``kv_cache_dtype``) and scales, with the
             target's block ids and block size, or ``None``.
+        proposer: the speculative-decoding proposer (``speculative_config``), or ``None``.
+        num_lookahead_tokens: KV slots the scheduler reserves after a request's last token for the proposer's
+            drafts (0 without a draft model).
+        requests: request id → this runner's state of it, from its first scheduling until it finishes.
     """
 
     def __init__(self, config: EngineConfig):
@@ -96,6 +102,10 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
                                                self.device, self.kv_scales)
+        self.requests: dict[str, CachedRequestState] = {}
+        spec = config.speculative
+        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self)
+        self.num_lookahead_tokens = self.proposer.num_lookahead_tokens if self.proposer is not None else 0
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
@@ -170,26 +180,47 @@ class ModelRunner:
                     peak / 2**30, total / 2**30, budget / 2**30, num_blocks, num_blocks * self.block_size)
         return num_blocks
 
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        """Drop finished requests, add new ones, apply the others' changes and this step's drafts."""
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in sched.preempted_req_ids:  # their drafts were dropped; free the draft distributions now
+            if rid in self.requests:
+                self.requests[rid].clear_drafts()
+        for new in sched.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(new)
+        cached = sched.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self.requests[rid].update(cached, i)
+        for rid in sched.num_scheduled_tokens:
+            self.requests[rid].set_scheduled_drafts(sched.scheduled_spec_decode_tokens.get(rid, []))
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager
-                ) -> dict[str, tuple[list[int], list[PositionLogprobs] | None]]:
-        """Compute the scheduled tokens and sample for requests whose chunk reaches their last token.
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens, sample for requests whose chunk reaches their last token, and propose
+        the next drafts.
 
-        A request's scheduled tokens past its known ones are its draft tokens (``spec_token_ids``), which are
-        verified (:mod:`kilat.spec_decode.rejection`).
+        A request's scheduled tokens past its known ones are its draft tokens
+        (``sched.scheduled_spec_decode_tokens``), which are verified (:mod:`kilat.spec_decode.rejection`).
+        Each sampling request's new tokens are the accepted drafts then one sampled token.
 
-        Returns request id → (its new tokens: the accepted drafts then one sampled token; their logprobs or
-        ``None``). Prompt logprobs, when asked for, are appended to ``request.prompt_logprobs``.
+        Raises:
+            RuntimeError: ``sched.structured_output_request_ids`` does not name the requests that sample.
         """
+        self._update_states(sched)
+        result = ModelRunnerOutput()
+        if not sched.num_scheduled_tokens:
+            return result
         if self.threads is not None:
             self.threads.maybe_adjust()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        prompt_lp: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, count)
-        for request, num_new in sched.scheduled:
+        sample_reqs: list[CachedRequestState] = []
+        prompt_lp: list[tuple[CachedRequestState, int, int, int]] = []  # (request, first row, first position, count)
+        scheduled = [(self.requests[rid], num_new) for rid, num_new in sched.num_scheduled_tokens.items()]
+        for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             row0 = len(input_ids)
@@ -198,9 +229,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-            block_tables.append(kv.get_block_ids(request))
+            block_tables.append(request.block_ids)
             if request.sampling_params.prompt_logprobs is not None:
-                lp_from = max(start, len(request.prompt_logprobs) - 1)
+                lp_from = max(start, request.num_prompt_logprobs - 1)
                 lp_to = min(end, request.num_prompt_tokens - 1)
                 if lp_from < lp_to:
                     prompt_lp.append((request, row0 + lp_from - start, lp_from, lp_to - lp_from))
@@ -218,29 +249,47 @@ class ModelRunner:
             with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
                 hidden = self.model(ids_t, pos_t)
         for request, row0, pos_from, count in prompt_lp:
-            self._prompt_logprobs(request, hidden[row0:row0 + count], pos_from)
-        if not sample_reqs:
-            return {}
+            result.prompt_logprobs[request.request_id] = self._prompt_logprobs(
+                request, hidden[row0:row0 + count], pos_from)
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+        if sample_reqs:
+            self._sample(hidden, sample_rows, sample_reqs, sched, result)
+        if self.proposer is not None:
+            self.proposer.propose([request for request, _ in scheduled], set(result.sampled_token_ids))
+            result.spec_token_ids = {r.request_id: r.spec_token_ids for r, _ in scheduled if r.spec_token_ids}
+        return result
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_reqs: list[CachedRequestState],
+                sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Sample (or verify the drafts of) ``sample_reqs`` from ``hidden``'s ``sample_rows``; record their new
+        tokens in their states and in ``result``."""
+        if sched.grammar_bitmask is not None and \
+                sched.structured_output_request_ids != [r.request_id for r in sample_reqs]:
+            raise RuntimeError("the grammar bitmask's requests are not the requests that sample this step")
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        bitmask = None
-        if any(r.grammar is not None for r in sample_reqs):
-            from kilat.structured_outputs.manager import build_bitmask
-
-            bitmask = build_bitmask([r.grammar for r in sample_reqs], logits.shape[-1],
-                                    [r.spec_token_ids for r in sample_reqs])
         if any(r.spec_token_ids for r in sample_reqs):
-            results = verify(logits, sample_reqs, bitmask)
-            return {r.request_id: result for r, result in zip(sample_reqs, results, strict=True)}
-        out = self.sampler(logits, sample_reqs, bitmask)
-        return {r.request_id: ([tok], [lp] if lp is not None else None)
-                for r, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs, strict=True)}
+            outcomes = verify(logits, sample_reqs, sched.grammar_bitmask)
+        else:
+            out = self.sampler(logits, sample_reqs, sched.grammar_bitmask)
+            outcomes = [([tok], [lp] if lp is not None else None)
+                        for tok, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        for request, (tokens, logprobs) in zip(sample_reqs, outcomes, strict=True):
+            request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)  # rejected drafts
+            request.clear_drafts()
+            request.append_tokens(tokens)
+            result.sampled_token_ids[request.request_id] = tokens
+            if logprobs is not None:
+                result.logprobs[request.request_id] = logprobs
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, pos_from: int) -> None:
-        """Append logprobs of prompt tokens ``pos_from + 1 ..`` predicted by ``hidden`` [count, H]."""
-        if not request.prompt_logprobs:
-            request.prompt_logprobs.append(None)
+    def _prompt_logprobs(self, request: CachedRequestState, hidden: torch.Tensor, pos_from: int
+                         ) -> list[PositionLogprobs | None]:
+        """Logprobs of prompt tokens ``pos_from + 1 ..`` predicted by ``hidden`` [count, H] (led by position 0's
+        ``None`` the first time)."""
+        new: list[PositionLogprobs | None] = [] if request.num_prompt_logprobs else [None]
         targets = request.prompt_token_ids[pos_from + 1:pos_from + 1 + hidden.shape[0]]
         logits = self.model.compute_logits(hidden)
-        request.prompt_logprobs.extend(
-            compute_prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs))
+        new.extend(compute_prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs))
+        request.num_prompt_logprobs += len(new)
+        return new

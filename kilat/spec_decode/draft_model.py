@@ -4,8 +4,9 @@ The draft model has its own paged KV cache with the target's block layout: the s
 request's block table serves both models and prefix-cache hits hold the draft's KV as well as the target's.
 To keep that true, after every step the draft computes exactly the positions the target confirmed
 (``request.draft_num_computed`` catches up with ``num_computed_tokens``, prompt chunks included, and for
-requests that finished in the step too); for a decoding request it continues through the last sampled
-token and drafts ``k`` tokens, writing their KV into the lookahead slots the scheduler reserved.
+requests that finished in the step too); for a decoding request it continues through the last sampled token and
+drafts ``k`` tokens, writing their KV into the lookahead slots the scheduler reserved. The runner does not know
+which requests finished in the step (a stop token): it drafts for those too, and the scheduler drops the drafts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kilat.config import ModelConfig, SpeculativeConfig, dtype_name
-from kilat.core.request import Request
 from kilat.model_executor.attention import AttentionMetadata
 from kilat.model_executor.forward_context import set_forward_context
 from kilat.model_executor.sampler import exponential_noise, sampling_probs
@@ -23,6 +23,7 @@ from kilat.spec_decode.proposer import num_draft_slots
 
 if TYPE_CHECKING:
     from kilat.model_executor.model_runner import ModelRunner
+    from kilat.model_executor.request_state import CachedRequestState
 
 
 def draft_model_config(config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype) -> ModelConfig:
@@ -57,19 +58,20 @@ class DraftModelProposer:
         self.max_model_len = runner.max_model_len
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], block_tables: list[list[int]]) -> None:
+    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
         """Bring the draft's KV up to each request's confirmed tokens and draft for the decoding ones."""
-        batch: list[tuple[Request, int, int, int]] = []  # (request, first position, end, drafts wanted)
+        batch: list[tuple[CachedRequestState, int, int, int]] = []  # (request, first position, end, drafts wanted)
         tables: dict[str, list[int]] = {}
-        for request, table in zip(requests, block_tables, strict=True):
+        for request in requests:
             request.clear_drafts()
             request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
-            wanted = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len)
+            wanted = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len,
+                                     sampled=request.request_id in sampled)
             # (a request that stopped inside its accepted drafts computed tokens past its last one)
             end = request.num_tokens if wanted else min(request.num_computed_tokens, request.num_tokens)
             if end > request.draft_num_computed:
                 batch.append((request, request.draft_num_computed, end, wanted))
-                tables[request.request_id] = table
+                tables[request.request_id] = request.block_ids
         if not batch:
             return
         ids: list[int] = []
@@ -109,7 +111,8 @@ class DraftModelProposer:
         with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
             return self.model(ids_t, pos_t)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], q_rows: dict[str, list[torch.Tensor]]) -> None:
+    def _sample(self, logits: torch.Tensor, requests: list[CachedRequestState],
+                q_rows: dict[str, list[torch.Tensor]]) -> None:
         """Append one draft to each request: the argmax for greedy ones, else a sample from ``q`` (kept)."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)

@@ -7,11 +7,15 @@ again. It pays off on text that copies its prompt: code edits, rewrites, extract
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kilat.config import SpeculativeConfig
-from kilat.core.request import Request
 from kilat.spec_decode.proposer import num_draft_slots
+
+if TYPE_CHECKING:
+    from kilat.model_executor.request_state import CachedRequestState
 
 
 def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
@@ -64,10 +68,11 @@ class NgramProposer:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, requests: list[Request], block_tables: list[list[int]]) -> None:
+    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
         """Set ``spec_token_ids`` of each decoding request to its prompt-lookup drafts (maybe none)."""
         for request in requests:
-            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len)
+            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len,
+                                        sampled=request.request_id in sampled)
             request.spec_token_ids = ngram_lookup(request.all_token_ids, self.config.prompt_lookup_min,
                                                   self.config.prompt_lookup_max, num_slots)
             request.spec_probs = None

@@ -1,19 +1,20 @@
 """The proposer interface of speculative decoding and the choice of proposer from the config.
 
-After each step the engine core hands the proposer the requests that step ran; the proposer sets
-``request.spec_token_ids`` (and, for a draft model, ``request.spec_probs``) of those that still run and decode. The
-scheduler then schedules each draft as one more token to compute, and the sampler verifies them.
+The proposer belongs to the model runner. After each step's sampling the runner hands it the states of the
+requests that step ran (:class:`~kilat.model_executor.request_state.CachedRequestState`, their new tokens
+appended); the proposer sets ``spec_token_ids`` (and, for a draft model, ``spec_probs``) of those that decode.
+The runner returns the drafts in its ``ModelRunnerOutput``; the scheduler schedules each as one more token to
+compute (dropping those of requests that finished), and the sampler verifies them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from kilat.core.request import Request, RequestStatus
-
 if TYPE_CHECKING:
     from kilat.config import SpeculativeConfig
     from kilat.model_executor.model_runner import ModelRunner
+    from kilat.model_executor.request_state import CachedRequestState
 
 
 class Proposer(Protocol):
@@ -26,28 +27,33 @@ class Proposer(Protocol):
 
     num_lookahead_tokens: int
 
-    def propose(self, requests: list[Request], block_tables: list[list[int]]) -> None:
-        """Set the drafts of every running request in ``requests`` that decodes (see :func:`num_draft_slots`).
+    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
+        """Set the drafts of every request in ``requests`` that decodes (see :func:`num_draft_slots`).
 
         Args:
-            requests: the requests the step just ran, after their new tokens were appended; those that
-                finished in it get no drafts (a draft model still computes their confirmed positions, which
-                the prefix cache may hand to later requests).
-            block_tables: each request's KV block ids as scheduled in the step (finished requests' blocks are
-                free but not yet reused); empty lists for a proposer with ``num_lookahead_tokens == 0``.
+            requests: the runner's states of the requests the step just ran, their new tokens appended and
+                their block tables as scheduled. Some may have finished in the step (a stop token, a stop
+                string): the runner does not know, and the scheduler drops their drafts. A draft model also
+                computes the confirmed positions of requests that do not decode, which the prefix cache may
+                hand to later requests.
+            sampled: the ids of those that sampled in the step (their chunk reached their last token); only
+                they are drafted for, since only they have lookahead slots reserved.
         """
 
 
-def num_draft_slots(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
+def num_draft_slots(request: CachedRequestState, num_speculative_tokens: int, max_model_len: int, *,
+                    sampled: bool) -> int:
     """How many draft tokens (0 .. ``num_speculative_tokens``) are worth proposing for ``request`` now.
 
-    Zero unless the request runs and decodes (every token but the last sampled one is computed). Drafts stop
-    one position short of ``max_model_len`` (the target's token after them is the last one a sequence may
-    have) and never pass ``max_tokens`` (the target adds one token of its own to the accepted drafts). A
-    request with structured outputs is drafted for like any other: the grammar's bitmask of each draft
-    position makes the verification reject drafts the grammar forbids.
+    Zero unless the request sampled in the step just run (``sampled``) and decodes (every token but the last
+    sampled one is computed); a prompt chunk that ended one token short of the prompt also leaves that many
+    computed, but the scheduler reserved no lookahead slots for it. Drafts stop one position
+    short of ``max_model_len`` (the target's token after them is the last one a sequence may have) and never
+    pass ``max_tokens`` (the target adds one token of its own to the accepted drafts). A request with structured
+    outputs is drafted for like any other: the grammar's bitmask of each draft position makes the verification
+    reject drafts the grammar forbids.
     """
-    if request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
+    if not sampled or request.num_computed_tokens != request.num_tokens - 1:
         return 0
     room = max_model_len - request.num_tokens - 1
     if request.max_tokens is not None:

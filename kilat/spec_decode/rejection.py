@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kilat.core.request import Request
 from kilat.model_executor.sampler import (
     exponential_noise,
     process_logits,
@@ -34,6 +33,7 @@ from kilat.outputs import PositionLogprobs
 from kilat.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kilat.model_executor.request_state import CachedRequestState
     from kilat.structured_outputs.manager import TokenBitmask
 
 
@@ -45,7 +45,7 @@ class DraftPositionRow:
         j: how many of its drafts precede this row's position.
     """
 
-    def __init__(self, request: Request, j: int):
+    def __init__(self, request: CachedRequestState, j: int):
         self.sampling_params: SamplingParams = request.sampling_params
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids = request.output_token_ids + request.spec_token_ids[:j] if j else \
@@ -54,7 +54,7 @@ class DraftPositionRow:
         self.generator = request.generator
 
 
-def verify(logits: torch.Tensor, requests: list[Request], bitmask: TokenBitmask | None = None
+def verify(logits: torch.Tensor, requests: list[CachedRequestState], bitmask: TokenBitmask | None = None
            ) -> list[tuple[list[int], list[PositionLogprobs] | None]]:
     """Verify every request's drafts and produce its accepted drafts plus one token of the target's.
 
@@ -142,7 +142,7 @@ def _sample_point_mass(p: torch.Tensor, drafts: list[int], rows: list[DraftPosit
     return tokens
 
 
-def _accept_sampled(p: torch.Tensor, request: Request, row: DraftPositionRow) -> list[int]:
+def _accept_sampled(p: torch.Tensor, request: CachedRequestState, row: DraftPositionRow) -> list[int]:
     """Speculative sampling of one request whose drafts a draft model sampled from ``request.spec_probs``.
 
     Args:
