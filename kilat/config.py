@@ -124,7 +124,8 @@ class CacheConfig:
 
     Attributes:
         block_size: token slots per KV block.
-        kv_cache_memory: bytes given to the KV cache on CPU; ``None`` means 2 GiB.
+        kv_cache_memory: bytes given to the KV cache on CPU; ``None`` means 2 GiB. Per worker: each
+            tensor-parallel rank allocates this much for its own heads.
         gpu_memory_utilization: fraction of device memory for weights + activations + KV cache on CUDA.
         enable_prefix_caching: reuse KV blocks of previously computed full-block prefixes.
         num_gpu_blocks_override: exact number of KV blocks (tests and benchmarks), overriding both sizes.
@@ -196,6 +197,44 @@ class ExecutionConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split and where its workers run (vLLM's ``ParallelConfig``).
+
+    Attributes:
+        tensor_parallel_size: ranks that split every layer (attention heads, MLP features, vocabulary), each a
+            worker process; the ranks' partial results are summed with torch.distributed collectives (gloo on
+            the CPU, NCCL on CUDA).
+        distributed_executor_backend: ``"uni"`` (one worker in the engine core's process), ``"mp"`` (each
+            worker in a process of its own; the engine core sends every step to them over ZMQ), or ``None``
+            (``"uni"`` for one rank, else ``"mp"``), as vLLM's ``--distributed-executor-backend``.
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        from kilat.executor import EXECUTOR_BACKENDS
+
+        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS), "distributed_executor_backend",
+               f"must be one of {sorted(EXECUTOR_BACKENDS)} or None, got {self.distributed_executor_backend!r}")
+        _check(self.distributed_executor_backend != "uni" or self.world_size == 1, "distributed_executor_backend",
+               f"'uni' runs one worker; tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks) one engine runs."""
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """:attr:`distributed_executor_backend` resolved: when it is ``None``, ``"uni"`` for one rank, else
+        ``"mp"``."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
 @dataclass
@@ -353,6 +392,8 @@ class EngineArgs:
     num_threads: int | None = None
     attention_backend: str = ExecutionConfig.attention_backend
     enforce_eager: bool = ExecutionConfig.enforce_eager
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     speculative_config: str | dict[str, Any] | None = None
     structured_outputs_config: str | dict[str, Any] | None = None
 
@@ -405,11 +446,18 @@ class EngineArgs:
         speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
         structured_outputs = StructuredOutputsConfig.parse(self.structured_outputs_config or {})
         model = build(ModelConfig)
-        _check_quantization(model, device)
+        parallel = build(ParallelConfig)
+        _check_quantization(model, device, parallel.tensor_parallel_size)
+        _check(device != "cuda" or parallel.tensor_parallel_size == 1 or
+               parallel.tensor_parallel_size <= torch.cuda.device_count(),
+               "tensor_parallel_size", f"{parallel.tensor_parallel_size} needs as many GPUs (one per rank); "
+               f"{torch.cuda.device_count()} visible")
+        _check(parallel.tensor_parallel_size == 1 or speculative is None or speculative.method != "draft_model",
+               "speculative_config", "method 'draft_model' runs with tensor_parallel_size 1 only")
         cache = build(CacheConfig)
         check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
-                            execution=build(ExecutionConfig), speculative=speculative,
+                            execution=build(ExecutionConfig), parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
 
     def _warn_ignored(self, device: str) -> None:
@@ -437,12 +485,13 @@ class EngineArgs:
                f"must be <= the model's max_position_embeddings ({model_max}), got {self.max_model_len}")
 
 
-def _check_quantization(model: ModelConfig, device: str) -> None:
+def _check_quantization(model: ModelConfig, device: str, tensor_parallel_size: int) -> None:
     """Resolve the model's quantization from metadata only (config.json, never the weights), so a method
-    that does not fit the checkpoint, dtype or device fails before the engine loads anything.
+    that does not fit the checkpoint, dtype, device or tensor parallelism fails before the engine loads anything.
 
     Raises:
-        ValueError: see :func:`kilat.model_executor.layers.quantization.resolve_quantization`.
+        ValueError: see :func:`kilat.model_executor.layers.quantization.resolve_quantization`; or a method whose
+            layers cannot be split across ``tensor_parallel_size`` ranks.
     """
     from kilat.model_executor.layers.quantization import resolve_quantization
     from kilat.model_executor.loader.model_loader import checkpoint_dtype, get_hf_config
@@ -450,8 +499,12 @@ def _check_quantization(model: ModelConfig, device: str) -> None:
 
     source = resolve_model_source(model.model, model.load_format)
     stated = None if source.kind == "gguf" else checkpoint_dtype(get_hf_config(source))
-    resolve_quantization(model.quantization, model.quantization_config, source.kind, source.path,
-                         resolve_dtype(model.dtype, stated), device)
+    quant = resolve_quantization(model.quantization, model.quantization_config, source.kind, source.path,
+                                 resolve_dtype(model.dtype, stated), device)
+    _check(tensor_parallel_size == 1 or quant is None or quant.supports_tensor_parallel, "tensor_parallel_size",
+           f"{tensor_parallel_size} cannot split quantization {quant.name if quant else None!r} yet (its stored "
+           f"format); use an unquantized dtype (for a GGUF file: --dtype float32, the dequantized weights) or a "
+           f"method that quantizes at load (int8, int4, fp8)")
 
 
 @dataclass
@@ -461,12 +514,14 @@ class EngineConfig:
     ``frontend_pid`` is set by the engine-core process (``run_engine_core``) to the process that started it
     (the API process, or the offline user's): the CPU thread governor counts that process and its other
     children as kilat's own load, not a neighbour's (``None``: an in-process engine, which has no such family).
+    An ``mp`` worker process sets it to its parent when it is ``None`` (``kilat.executor.multiproc``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     device: str = "cpu"

@@ -28,7 +28,7 @@ def _kilat_log_in_caplog(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.M
     logger.addHandler(caplog.handler)
     yield
     logger.removeHandler(caplog.handler)
-NUM_NEW_TOKENS = 64
+NUM_NEW_TOKENS = 32
 
 
 def smollm2_dir() -> str:
@@ -50,7 +50,7 @@ def smollm2_prompt_ids() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy_outputs(smollm2_prompt_ids: list[list[int]]) -> list[list[int]]:
-    """HF transformers ``generate`` on the same GGUF weights, float32, greedy, 64 new tokens each."""
+    """HF transformers ``generate`` on the same GGUF weights, float32, greedy, ``NUM_NEW_TOKENS`` new tokens each."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

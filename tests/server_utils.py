@@ -52,20 +52,10 @@ class Server:
         self.stop()
         raise RuntimeError("kilat serve did not become healthy")
 
-    def children(self) -> list[int]:
-        """Pids of the server's child processes (the engine core, multiprocessing's resource tracker)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.proc.pid and fields[0] != "Z":
-                pids.append(int(entry))
-        return pids
+    def children(self, parent: int | None = None) -> list[int]:
+        """Pids of the child processes of ``parent`` (default: the server; its children are the engine core and
+        multiprocessing's resource tracker)."""
+        return child_pids(self.proc.pid if parent is None else parent)
 
     def engine_core_pid(self) -> int:
         """Pid of the engine-core process."""
@@ -74,6 +64,10 @@ class Server:
                 if b"spawn_main" in f.read():
                     return pid
         raise RuntimeError("no engine-core process")
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the engine core's worker processes (``--distributed-executor-backend mp``)."""
+        return worker_pids(self.engine_core_pid())
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         """Signal the server and wait for it; returns its exit status."""
@@ -104,3 +98,32 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def child_pids(parent: int) -> list[int]:
+    """Pids of ``parent``'s live (not zombie) child processes, from ``/proc``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Pids of ``parent``'s model-worker processes (``distributed_executor_backend="mp"``)."""
+    pids = []
+    for pid in child_pids(parent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"worker_main" in f.read():
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids

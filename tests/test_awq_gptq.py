@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kilat import LLM, EngineArgs, SamplingParams
 from kilat.config import ModelConfig
-from kilat.model_executor.layers import FusedLinear, Linear
+from kilat.model_executor.layers import ColumnParallelLinear, Linear
 from kilat.model_executor.layers.quantization import kernels
 from kilat.model_executor.layers.quantization.awq_gptq import (
     AWQ_ORDER,
@@ -149,7 +149,7 @@ def test_fused_layer_unpacks_to_exactly_the_packed_values(case: str) -> None:
     group = k if config.group_size == -1 else config.group_size
     g_idx = act_order(k, group, seed=3) if config.bits == 8 else None
     shards = [random_quantized(n, k, group, bits, zeros, seed=i, g_idx=g_idx) for i, n in enumerate(sizes)]
-    layer = FusedLinear(k, sizes, bias=True, dtype=torch.float32, quant_config=config, prefix="x.qkv_proj")
+    layer = ColumnParallelLinear(k, sizes, bias=True, dtype=torch.float32, quant_config=config, prefix="x.qkv_proj")
     assert isinstance(layer.quant_method, PackedIntLinearMethod)
     bias = torch.randn(sum(sizes))
     for i, shard in enumerate(shards):
@@ -180,8 +180,8 @@ def test_shards_with_different_input_orders_multiply_separately() -> None:
     orders = [act_order(k, group, seed=1), act_order(k, group, seed=1), act_order(k, group, seed=2)]
     shards = [random_quantized(n, k, group, 4, (1, 15), seed=i, g_idx=g) for i, (n, g) in
               enumerate(zip(sizes, orders, strict=True))]
-    layer = FusedLinear(k, sizes, dtype=torch.float32, quant_config=GPTQConfig(group_size=group, desc_act=True),
-                        prefix="x.qkv_proj")
+    layer = ColumnParallelLinear(k, sizes, dtype=torch.float32,
+                                 quant_config=GPTQConfig(group_size=group, desc_act=True), prefix="x.qkv_proj")
     for i, shard in enumerate(shards):
         for name, tensor in shard.gptq(4, v1=True).items():
             layer.load_weight(name, tensor, i)

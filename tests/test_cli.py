@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import kilat
-from kilat.config import CacheConfig, EngineArgs, ExecutionConfig, ModelConfig, SchedulerConfig
+from kilat.config import CacheConfig, EngineArgs, ExecutionConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kilat.entrypoints.cli import CHAT_HINT, HelpFormatter, _stream, build_parser, engine_arg_help, main, parse_size
 
 
@@ -46,8 +46,9 @@ def test_engine_flags_take_help_and_defaults_from_the_config_classes():
     assert set(docs) >= {f.name for f in dataclasses.fields(EngineArgs)}
     assert docs["block_size"] == "token slots per KV block."
     assert docs["max_num_seqs"] == "most requests running at once."
+    assert docs["distributed_executor_backend"].startswith('"uni" (one worker in the engine core')
     assert "ngram" in docs["speculative_config"] and "num_speculative_tokens" in docs["speculative_config"]
-    own = {f.name: f.default for cls in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
+    own = {f.name: f.default for cls in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig, ParallelConfig)
            for f in dataclasses.fields(cls)}
     shared = [f for f in dataclasses.fields(EngineArgs) if f.name in own]
     assert {f.name for f in shared} == set(own) and all(f.default == own[f.name] for f in shared)

@@ -95,15 +95,16 @@ def _stream_lines(url: str, lines: list[str], seen: threading.Event) -> None:
                 seen.set()
 
 
-def _kill_core_mid_stream(server: Server) -> list[str]:
-    """SIGKILL the engine core while a stream runs; return the stream's lines once it ended."""
+def _kill_mid_stream(server: Server, pid: int | None = None) -> list[str]:
+    """SIGKILL process ``pid`` (default: the engine core) while a stream runs; return the stream's lines once it
+    ended."""
     lines: list[str] = []
     seen = threading.Event()
     client = threading.Thread(target=_stream_lines, args=(server.url, lines, seen), daemon=True)
     client.start()
     assert seen.wait(60), "the stream never started"
     assert scrape_metrics(server.url)["kilat:num_requests_running"] == 1
-    os.kill(server.engine_core_pid(), signal.SIGKILL)
+    os.kill(server.engine_core_pid() if pid is None else pid, signal.SIGKILL)
     client.join(30)
     assert not client.is_alive(), "the stream hung after the engine core died"
     return lines
@@ -142,7 +143,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
     try:
         first_core = server.engine_core_pid()
         slow_before = _slow_share(server)
-        lines = _kill_core_mid_stream(server)
+        lines = _kill_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
         _wait_health(server, 503, 10)
         metrics = scrape_metrics(server.url)
@@ -176,12 +177,37 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
     assert not server.children()
 
 
+def test_dead_worker_restarts_the_engine_core() -> None:
+    """--distributed-executor-backend mp, kill -9 of the worker: the core notices within its poll, the stream
+    in flight ends with an error event, the core exits and is restarted with a new worker, which serves the
+    same greedy tokens; no process is left behind."""
+    server = Server(*SMALL_KV, "--distributed-executor-backend", "mp")
+    body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    workers: list[int] = []
+    try:
+        core, [worker] = server.engine_core_pid(), server.worker_pids()
+        workers.append(worker)
+        want = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        lines = _kill_mid_stream(server, worker)
+        assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
+        _wait_health(server, 200, 120)
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        assert server.engine_core_pid() != core and not pid_alive(core)
+        workers += server.worker_pids()
+        assert len(workers) == 2 and workers[1] != worker
+        assert scrape_metrics(server.url)["kilat:engine_core_restarts_total"] == 1
+    finally:
+        server.stop()
+    assert not server.children() and not any(pid_alive(p) for p in workers)
+
+
 def test_no_restart_flag_exits_non_zero() -> None:
     """--max-engine-core-restarts 0 (for systemd or Kubernetes): the stream in flight ends with an error
     event, then the server exits non-zero and leaves no process behind."""
     server = Server(*SMALL_KV, "--max-engine-core-restarts", "0")
     try:
-        lines = _kill_core_mid_stream(server)
+        lines = _kill_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"')], lines[-3:]
         assert server.proc.wait(30) not in (0, None)
     finally:

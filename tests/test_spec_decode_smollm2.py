@@ -40,9 +40,9 @@ def chat(llm: LLM, params: SamplingParams | list[SamplingParams], prompts: list 
 
 
 def test_ngram_matches_hf_with_chunked_prefill_preemption_and_prefix_hits(smollm2_prompt_ids, hf_greedy_outputs):
-    # 160 blocks of 16 hold max_model_len but not all 16 requests' growth, and a 256-token budget chunks the
+    # 136 blocks of 16 hold max_model_len but not all 16 requests' growth, and a 256-token budget chunks the
     # long prompts: drafts are verified in steps that also carry prompt chunks, and requests are preempted.
-    llm = LLM(dtype="float32", max_model_len=2048, num_gpu_blocks_override=160, max_num_batched_tokens=256,
+    llm = LLM(dtype="float32", max_model_len=2048, num_gpu_blocks_override=136, max_num_batched_tokens=256,
               speculative_config=NGRAM)
     assert run(llm, smollm2_prompt_ids[::-1]) == hf_greedy_outputs[::-1]
     stats = llm.engine.stats

@@ -17,14 +17,14 @@ SHARED = list(range(300, 340))  # a 40-token prefix shared by the last two promp
 PROMPTS += [SHARED + [5, 6, 7], SHARED + [8, 9, 10]]
 
 
-def _engine_kwargs(**extra: Any) -> dict[str, Any]:
+def contract_engine_kwargs(**extra: Any) -> dict[str, Any]:
     # 24 blocks of 8 tokens cannot hold 8 requests growing to ~60 + 16 tokens: running requests are preempted;
     # a budget of 40 tokens chunks every prompt
     return {"dtype": "float32", "max_model_len": 128, "block_size": 8, "num_gpu_blocks_override": 24,
             "max_num_batched_tokens": 40, "enable_prefix_caching": True, **extra}
 
 
-def _generate(llm: LLM) -> list[list[int]]:
+def generate_mixed(llm: LLM) -> list[list[int]]:
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True, n=2)
     outs = llm.generate(PROMPTS[:4], greedy, use_tqdm=False) + llm.generate(PROMPTS[4:], seeded, use_tqdm=False)
@@ -51,11 +51,11 @@ def _pickled_runner(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int
 @pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                                        "prompt_lookup_min": 2, "prompt_lookup_max": 3}])
 def test_pickled_step_contract_keeps_outputs(tiny_llama_dir, monkeypatch, speculative_config):
-    kwargs = _engine_kwargs(speculative_config=speculative_config)
-    want = _generate(LLM(tiny_llama_dir, **kwargs))
+    kwargs = contract_engine_kwargs(speculative_config=speculative_config)
+    want = generate_mixed(LLM(tiny_llama_dir, **kwargs))
     llm = LLM(tiny_llama_dir, **kwargs)
     sizes = _pickled_runner(llm, monkeypatch)
-    assert _generate(llm) == want
+    assert generate_mixed(llm) == want
     stats = llm.engine.stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 40
     if speculative_config is not None:
@@ -69,10 +69,10 @@ def test_draft_model_proposer_lives_in_the_runner(tiny_llama_dir, monkeypatch):
     """A model drafting for itself through the pickled contract: every draft is accepted, so the runner's draft
     KV and block tables follow the scheduler's through preemption and prefix hits."""
     spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}
-    want = _generate(LLM(tiny_llama_dir, **_engine_kwargs()))
-    llm = LLM(tiny_llama_dir, **_engine_kwargs(speculative_config=spec))
+    want = generate_mixed(LLM(tiny_llama_dir, **contract_engine_kwargs()))
+    llm = LLM(tiny_llama_dir, **contract_engine_kwargs(speculative_config=spec))
     _pickled_runner(llm, monkeypatch)
-    assert _generate(llm)[:4] == want[:4]  # greedy rows; seeded rows draw differently with drafts
+    assert generate_mixed(llm)[:4] == want[:4]  # greedy rows; seeded rows draw differently with drafts
     stats = llm.engine.stats
     assert stats.num_preemptions > 0 and stats.spec_decode.acceptance_rate > 0.95
 

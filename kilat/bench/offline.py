@@ -19,7 +19,7 @@ import numpy as np
 
 from kilat.bench.cli import parse_range
 from kilat.bench.datasets import random_requests
-from kilat.bench.mbu import decode_bytes_per_step, kv_bytes_per_token, measure_bandwidth, timed_request
+from kilat.bench.mbu import measure_bandwidth, timed_request
 from kilat.entrypoints.cli import add_engine_args, engine_args_from
 from kilat.sampling_params import SamplingParams
 
@@ -98,17 +98,16 @@ def cmd_latency(ns: argparse.Namespace) -> None:
         if i:
             runs.append(run)
     best = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
-    runner = engine.core.runner
-    step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, ns.input_len + ns.output_len / 2,
-                                       runner.dtype, kv_bytes_per_token(runner))
+    info = engine.core.info  # the workers' numbers: the runner may live in another process
+    step_bytes = info.weight_bytes + info.kv_bytes_per_token * (ns.input_len + ns.output_len / 2)
     bandwidth = ns.memory_bandwidth_gbps * 1e9 if ns.memory_bandwidth_gbps else measure_bandwidth(
-        device=runner.device)
+        device=engine.config.device)
     _write({"workload": "W2", "input_len": ns.input_len, "output_len": ns.output_len, **best,
             "decode_tokens_per_s_all": [r["decode_tokens_per_s"] for r in runs],
             "bytes_per_decode_step": step_bytes, "memory_bandwidth_gbps": bandwidth / 1e9,
             "bandwidth_source": "given" if ns.memory_bandwidth_gbps else "measured (tensor copy)",
             "mbu": step_bytes * best["decode_tokens_per_s"] / bandwidth,
-            "median_of": len(runs), "dtype": str(runner.dtype).removeprefix("torch."), "model": ns.model,
+            "median_of": len(runs), "dtype": info.dtype, "model": ns.model,
             "spec_decode": _spec_decode(llm)}, ns.result_json)
 
 

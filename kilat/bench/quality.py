@@ -167,7 +167,7 @@ def evaluate(args: EngineArgs, windows: list[list[int]], conversations: list[Any
         total = sum(window_nll(w, out.prompt_logprobs or []) for w, out in zip(windows, scored, strict=True))
         replies = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=max_tokens),
                            use_tqdm=False) if conversations else []
-        dtype = str(llm.engine.core.runner.dtype).removeprefix("torch.")
+        dtype = llm.engine.core.info.dtype
     del llm
     gc.collect()
     num_tokens = sum(len(w) - 1 for w in windows)

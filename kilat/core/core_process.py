@@ -26,6 +26,7 @@ import zmq
 from kilat.config import EngineConfig
 from kilat.core.engine_core import EngineCore, EngineCoreOutput, StepFailed
 from kilat.core.request import EngineCoreRequest, RequestStatus
+from kilat.executor.abstract import WorkerDiedError
 from kilat.metrics.stats import EngineStats
 from kilat.outputs import RequestError
 
@@ -184,7 +185,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     SIGINT is ignored (Ctrl-C reaches the whole process group; the frontend decides when to stop),
     SIGTERM exits cleanly, and the process ends within a second of the frontend's death. A failure while
     loading is sent to the frontend as an :class:`EngineCoreOutputs` with ``error`` set, and the process
-    exits with status 1.
+    exits with status 1; so does a worker process's death (``WorkerDiedError``), after which the frontend
+    restarts the core. On the way out the core stops its workers and grammar compile workers.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit)
@@ -202,8 +204,14 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             logger.exception("engine core: loading failed")
             _send(output_socket, EngineCoreOutputs([], EngineStats(), error=f"{type(e).__name__}: {e}"))
             raise SystemExit(1) from e
-        _send(output_socket, EngineCoreReady(core.runner.hf_config, core.max_model_len, core.runner.num_blocks))
-        EngineCoreProc(core, input_socket, output_socket).run()
+        _send(output_socket, EngineCoreReady(core.info.hf_config, core.max_model_len, core.info.num_blocks))
+        try:
+            EngineCoreProc(core, input_socket, output_socket).run()
+        except WorkerDiedError as e:
+            logger.error("engine core: %s; exiting", e)
+            raise SystemExit(1) from e
+        finally:
+            core.shutdown()
     except SystemExit as e:
         if e.code:
             raise

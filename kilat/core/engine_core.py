@@ -13,12 +13,14 @@ from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.core.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, SchedulerOutput
 from kilat.engine.tokenizer import get_tokenizer
+from kilat.executor import get_executor_class
+from kilat.executor.abstract import WorkerDiedError
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
-from kilat.model_executor.model_runner import ModelRunner
 from kilat.outputs import PositionLogprobs, RequestError, RequestMetrics
 
 if TYPE_CHECKING:
+    from kilat.model_executor.model_runner import ModelRunner
     from kilat.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger("kilat")
@@ -66,26 +68,50 @@ class StepFailed(RuntimeError):
 
 
 class EngineCore:
-    """Owns the runner, the KV cache manager and the scheduler; advances all requests one step at a time.
+    """Owns the executor (and through it the workers), the KV cache manager and the scheduler; advances all
+    requests one step at a time.
 
     Args:
         config: validated engine configuration.
+
+    Attributes:
+        executor: runs the model's workers (``ParallelConfig.distributed_executor_backend``).
+        info: what the workers reported once the model was loaded (limits, KV blocks, the HF config).
+        max_model_len: longest context in tokens.
+
+    Raises:
+        ValueError: an invalid model or configuration found while loading.
+        WorkerDiedError: a worker process exited while loading (``mp``).
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config)
-        self.max_model_len = self.runner.max_model_len
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.runner.num_lookahead_tokens)
+        self.executor = get_executor_class(config.parallel.executor_backend)(config)
+        info = self.info = self.executor.info
+        self.max_model_len = info.max_model_len
+        self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens)
         self.stats = EngineStats()
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d), kv_cache_dtype %s (%s, "
-                    "%d bytes per block)", self.runner.num_blocks, config.cache.block_size,
-                    self.runner.num_blocks * config.cache.block_size, self.max_model_len,
-                    config.cache.kv_cache_dtype, str(self.runner.kv_cache_dtype).removeprefix("torch."),
-                    self.runner.bytes_per_block)
+                    "%d bytes per block)", info.num_blocks, config.cache.block_size,
+                    info.num_blocks * config.cache.block_size, self.max_model_len,
+                    config.cache.kv_cache_dtype, info.kv_cache_dtype, info.bytes_per_block)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, when it runs in this process (``distributed_executor_backend`` ``"uni"``): tests
+        and benchmarks look inside it.
+
+        Raises:
+            RuntimeError: the workers run in processes of their own.
+        """
+        from kilat.executor.uniproc import UniProcExecutor
+
+        if not isinstance(self.executor, UniProcExecutor):
+            raise RuntimeError(f"the model runner is not in this process (distributed_executor_backend "
+                               f"{self.config.parallel.executor_backend!r})")
+        return self.executor.worker.runner
 
     def add_requests(self, group: list[EngineCoreRequest]) -> None:
         """Queue the ``n`` core requests of one user request; the first leads the others (prompt KV reuse).
@@ -112,7 +138,7 @@ class EngineCore:
             model = self.config.model
             source = resolve_model_source(model.model, model.load_format)
             self.structured_outputs = StructuredOutputManager(lambda: get_tokenizer(model.tokenizer or source),
-                                                              self.runner.hf_config.vocab_size,
+                                                              self.info.hf_config.vocab_size,
                                                               self.config.structured_outputs)
         return self.structured_outputs
 
@@ -141,10 +167,11 @@ class EngineCore:
         return finished
 
     def shutdown(self) -> None:
-        """Stop the grammar compile workers and threads, if structured outputs were used. Idempotent; the
-        core stays usable for requests without a constraint."""
+        """Stop the grammar compile workers and threads, if structured outputs were used, and the executor's
+        workers. Idempotent; the core cannot step afterwards."""
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
@@ -174,7 +201,7 @@ class EngineCore:
             return
         from kilat.structured_outputs.manager import build_bitmask
 
-        sched.grammar_bitmask = build_bitmask([r.grammar for r in sampling], self.runner.hf_config.vocab_size,
+        sched.grammar_bitmask = build_bitmask([r.grammar for r in sampling], self.info.hf_config.vocab_size,
                                               [sched.scheduled_spec_decode_tokens.get(r.request_id, [])
                                                for r in sampling])
         sched.structured_output_request_ids = [r.request_id for r in sampling]
@@ -185,6 +212,7 @@ class EngineCore:
         Raises:
             StepFailed: the model (or the draft model) raised; the step's requests are aborted (those that
                 finished in it report ``abort`` too) and the prefix cache is cleared.
+            WorkerDiedError: a worker process exited (or one of several ranks raised); the core cannot go on.
         """
         start = time.perf_counter()
         # A grammar that failed to compile (or in time) ends its request here with finish reason "abort".
@@ -199,8 +227,10 @@ class EngineCore:
         num_before = {rid: r.num_output_tokens for rid, r in requests.items()}
         try:
             self._add_grammar_bitmask(sched, requests)
-            result = self.runner.execute(sched) if sched.num_scheduled_tokens or sched.finished_req_ids \
+            result = self.executor.execute_model(sched) if sched.num_scheduled_tokens or sched.finished_req_ids \
                 else EMPTY_MODEL_RUNNER_OUTPUT
+        except WorkerDiedError:
+            raise
         except Exception as e:  # the grammar matchers, the model or the draft model raised
             self._fail_step(sched)
             raise StepFailed(list(requests), e) from e

@@ -32,7 +32,7 @@ class LLMEngine:
     def __init__(self, engine_args: EngineArgs):
         self.config = engine_args.create_engine_config()
         self.core = EngineCore(self.config)
-        self.hf_config = self.core.runner.hf_config
+        self.hf_config = self.core.info.hf_config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(
             self.config.model, self.hf_config, self.core.max_model_len)
         self._ids = itertools.count()
@@ -40,8 +40,8 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, self.core.shutdown)
 
     def shutdown(self) -> None:
-        """Stop the grammar compile workers (processes) and threads, and close their pipe. Idempotent; also
-        done when the engine is garbage-collected or the interpreter exits."""
+        """Stop the grammar compile workers (processes) and threads, and the executor's worker processes.
+        Idempotent; also done when the engine is garbage-collected or the interpreter exits."""
         self._finalizer()
 
     @property

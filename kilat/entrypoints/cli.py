@@ -21,6 +21,7 @@ from kilat.config import (
     EngineArgs,
     ExecutionConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -99,7 +100,7 @@ def engine_arg_help() -> dict[str, str]:
     """The help of each :class:`EngineArgs` flag, from the docs of the config class that owns the field (or of
     ``EngineArgs`` itself for the engine's own fields): one place for each text."""
     docs: dict[str, str] = {}
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig, EngineArgs):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig, ParallelConfig, EngineArgs):
         docs.update(attribute_docs(cls))
     docs["speculative_config"] += f" Keys: {', '.join(f.name for f in dataclasses.fields(SpeculativeConfig))}."
     docs["structured_outputs_config"] += " Keys (defaults): " + ", ".join(

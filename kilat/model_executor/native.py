@@ -63,7 +63,9 @@ CPU_ATTENTION = Extension("cpu_attention", "kilat_cpu_attn", "KILAT_CPU_ATTENTIO
                           "paged_attention")
 CPU_DECODER = Extension("cpu_decoder", "kilat_cpu_decoder", "KILAT_CPU_DECODER", "fused CPU decoder-layer kernels",
                         "decoder_layer", requires=("quant_gemm", "cpu_layers", "cpu_attention"))
-EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION, CPU_DECODER)}
+SHM_ALL_REDUCE = Extension("shm_all_reduce", "kilat_shm", "KILAT_SHM_ALL_REDUCE",
+                           "shared-memory all-reduce kernel", "all_reduce")
+EXTENSIONS = {e.name: e for e in (QUANT_GEMM, CPU_LAYERS, CPU_ATTENTION, CPU_DECODER, SHM_ALL_REDUCE)}
 
 
 def _cpu_flags() -> str:

@@ -31,7 +31,6 @@ import enum
 import os
 import selectors
 import subprocess
-import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from kilat.child_process import python_command
 from kilat.config import StructuredOutputsConfig
 from kilat.sampling_params import StructuredOutputsParams
 from kilat.structured_outputs import worker as worker_protocol
@@ -187,10 +187,8 @@ class _Worker:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        # this process's sys.path, as multiprocessing does: the same kilat, whatever the working directory
-        code = f"import sys; sys.path[:] = {sys.path!r}; from kilat.structured_outputs.worker import main; main()"
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env)
+        self.process = subprocess.Popen(python_command("from kilat.structured_outputs.worker import main; main()"),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.killed = False
 
     def start(self, tokenizer_json: Callable[[], str]) -> None:

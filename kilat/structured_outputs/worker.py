@@ -16,10 +16,10 @@ import json
 import os
 import struct
 import sys
-import threading
 import time
 from typing import IO, Any
 
+from kilat.child_process import exit_with_parent
 from kilat.sampling_params import StructuredOutputsParams
 
 _HEADER = struct.Struct(">I")
@@ -47,18 +47,10 @@ def params_message(params: StructuredOutputsParams) -> dict[str, Any]:
     return dataclasses.asdict(params)
 
 
-def _exit_with_parent() -> None:
-    """End this process as soon as its engine core is gone, even in the middle of a compile."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def main() -> None:
     """Serve compile requests until stdin closes or the engine core dies (the module docstring gives the
     protocol)."""
-    threading.Thread(target=_exit_with_parent, name="kilat-parent-watch", daemon=True).start()
+    exit_with_parent()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints of libraries go to stderr, never into the message stream
     stdin = sys.stdin.buffer

@@ -1,24 +1,27 @@
-"""Model building blocks: linear (with its quantization methods), rotary embedding, RMSNorm, SiLU-and-mul,
-embedding, the fused CPU decode layer."""
+"""Model building blocks: linear layers whole or tensor-parallel (with their quantization methods), rotary
+embedding, RMSNorm, SiLU-and-mul, the vocabulary-parallel embedding and LM head, the fused CPU decode layer."""
 
 from kilat.model_executor.layers.activation import silu_and_mul
-from kilat.model_executor.layers.embedding import VocabEmbedding
+from kilat.model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kilat.model_executor.layers.fused_decoder import DecodeBatch, FusedDecoderLayer, decode_batch
 from kilat.model_executor.layers.layernorm import RMSNorm
-from kilat.model_executor.layers.linear import FusedLinear, Linear
+from kilat.model_executor.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
 from kilat.model_executor.layers.quantization import QuantizationConfig, can_pack
 from kilat.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rope_parameters
 from kilat.model_executor.layers.weights import process_weights_after_loading
 
 __all__ = [
+    "ColumnParallelLinear",
     "DecodeBatch",
     "FusedDecoderLayer",
-    "FusedLinear",
     "Linear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
     "QuantizationConfig",
     "RMSNorm",
     "RotaryEmbedding",
-    "VocabEmbedding",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
     "apply_rotary",
     "can_pack",
     "decode_batch",

@@ -86,9 +86,12 @@ class FusedDecoderLayer:
         a projection without one packed weight, weights off the CPU, norms with different ``eps``, or the C++
         extension unavailable (no compiler, ``KILAT_CPU_DECODER=torch``, or the kernels it calls missing or with other
         signatures: ``ready()`` is false). Layers bind one by one: a model may mix fused and Python layers (a GGUF
-        whose ``attn_v`` is Q6_K in a Q4_K file has a ``qkv_proj`` of several parts)."""
+        whose ``attn_v`` is Q6_K in a Q4_K file has a ``qkv_proj`` of several parts). A layer split across
+        tensor-parallel ranks is never fused."""
         norms = [input_layernorm, post_attention_layernorm] + ([q_norm, k_norm] if q_norm is not None else [])
         linears = (qkv_proj, o_proj, gate_up_proj, down_proj)
+        if o_proj.tp_size > 1:  # the op has no all-reduce after o_proj and down_proj
+            return None
         packed = [linear.quant_method.packed_weight() for linear in linears]
         if any(w is None or not w.qweight.is_cpu for w in packed) or len({n.eps for n in norms}) != 1:
             return None

@@ -18,14 +18,17 @@ from transformers import PretrainedConfig
 
 from kilat.model_executor.attention import Attention
 from kilat.model_executor.layers import (
+    ColumnParallelLinear,
     DecodeBatch,
     FusedDecoderLayer,
-    FusedLinear,
     Linear,
+    ParallelLMHead,
+    QKVParallelLinear,
     QuantizationConfig,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     apply_rotary,
     decode_batch,
     rope_inv_freq,
@@ -61,20 +64,24 @@ def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj."""
+    """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj.
+
+    Under tensor parallelism each rank runs its own heads (:class:`QKVParallelLinear`) and ``o_proj`` sums the
+    ranks' outputs (:class:`RowParallelLinear`).
+    """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
                  dtype: torch.dtype | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(config)
         self.head_dim = _head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_size, self.kv_size = q_size, kv_size
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = FusedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias or attention_bias,
-                                    dtype, quant_config, f"{prefix}.qkv_proj")
-        self.o_proj = Linear(q_size, config.hidden_size, attention_bias, dtype, quant_config, f"{prefix}.o_proj")
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          _num_kv_heads(config), qkv_bias or attention_bias, dtype, quant_config,
+                                          f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        attention_bias, dtype, quant_config, f"{prefix}.o_proj")
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -99,16 +106,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with ``gate`` and ``up`` fused."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with ``gate`` and ``up`` fused; under tensor parallelism each
+    rank holds a slice of the intermediate features and ``down_proj`` sums the ranks' outputs."""
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
                  prefix: str) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype, quant_config,
-                                        f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype, quant_config,
-                                f"{prefix}.down_proj")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype,
+                                                 quant_config, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype, quant_config,
+                                           f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``."""
@@ -158,7 +166,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype, quant_config)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -195,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
         quant_config: how the linear layers hold their weights (``None``: dense in ``dtype``).
 
     Attributes:
-        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer.
+        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer (``num_kv_heads``:
+            this tensor-parallel rank's).
     """
 
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
@@ -207,11 +216,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, quant_config, "lm_head")
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype, quant_config)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = _num_kv_heads(config)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.head_dim = _head_dim(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -227,17 +236,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]``."""
-        return self.lm_head(hidden).float()
+        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (all of them on every rank)."""
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into this model's (fused) parameters.
 
         ``*.q_proj``/``k_proj``/``v_proj`` go into shards of ``qkv_proj``, ``gate_proj``/``up_proj`` into
-        ``gate_up_proj``. A linear layer's tensors go through its quantization method (``Linear.load_weight``:
-        dense tensors are converted to the parameter dtype; a quantized checkpoint's ``qweight``/``scales``/...
-        or GGUF blocks are the method's own); the embedding table goes to ``VocabEmbedding.load_weight`` (dense,
-        or a quantized ``QuantWeight`` that a tied ``lm_head`` then shares); others are copied into the parameter.
+        ``gate_up_proj``. A linear layer's tensors go through its quantization method (``Linear.load_weight``,
+        which first narrows them to this tensor-parallel rank's slice: dense tensors are converted to the
+        parameter dtype; a quantized checkpoint's ``qweight``/``scales``/... or GGUF blocks are the method's own);
+        the embedding table goes to ``VocabParallelEmbedding.load_weight`` (dense, or a quantized ``QuantWeight``
+        that a tied ``lm_head`` then shares); others are copied into the parameter.
         Rotary ``inv_freq`` buffers and, for tied models, ``lm_head.weight`` are ignored.
 
         Raises:

@@ -116,6 +116,13 @@ class QuantizationConfig(ABC):
         """
         return cls.from_options({**checkpoint, **options})
 
+    @property
+    def supports_tensor_parallel(self) -> bool:
+        """Whether layers under this method can be split across tensor-parallel ranks: those that load a dense
+        checkpoint (``weight``, ``bias``) and quantize each rank's slice at load (:attr:`online`) can; methods
+        that read their own stored format (GGUF blocks, AWQ/GPTQ packs, fp8 checkpoints) cannot yet."""
+        return self.online
+
     def verify(self, dtype: torch.dtype, device: str) -> None:  # noqa: B027 - optional hook
         """Refuse a model dtype or device the method cannot run in (``ValueError`` naming the field)."""
 

@@ -347,6 +347,11 @@ class Fp8Config(QuantizationConfig):
                              f"known: {sorted(known)}")
         return cls(**options, serialized=serialized)
 
+    @property
+    def supports_tensor_parallel(self) -> bool:
+        """Online fp8 only (an fp8 checkpoint's per-tensor scales would need splitting rules of their own)."""
+        return not self.serialized
+
     def verify(self, dtype: torch.dtype, device: str) -> None:
         """Refuse a torch without float8 dtypes and a model dtype other than float16/bfloat16/float32.
 

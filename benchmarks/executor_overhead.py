@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""What workers in their own processes cost (issue 16): ``distributed_executor_backend`` ``uni`` against ``mp``,
+and ``mp`` with ``tensor_parallel_size`` 2 (gloo), in one run, alternating the variants ``--rounds`` times so
+that a drifting host touches all alike.
+
+The model is SmolLM2-135M's shape with 8 query and 4 key-value heads of 72 (SmolLM2's 9 and 3 do not split in
+two), random weights, ``--quantization int8`` (kilat's fast CPU path that tensor parallelism can split).
+
+Per variant and round:
+
+- ``round_trip_us``: the median time of ``executor.execute_model`` on an empty ``SchedulerOutput`` (nothing to
+  compute: ``uni`` is a function call, ``mp`` a pickle, a ZMQ broadcast, the workers' replies and an unpickle);
+  ``--calls`` calls.
+- ``decode_1``: one greedy request (a 64-token prompt, ``--max-tokens`` output tokens, EOS ignored), output
+  tokens per second over the whole request.
+- ``decode_16``: sixteen such requests at once, output tokens per second.
+
+    python benchmarks/executor_overhead.py --out benchmarks/results/2026-12-03-executor-overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kilat import LLM, SamplingParams  # noqa: E402
+from kilat.bench.quality import machine_info  # noqa: E402
+from kilat.core.scheduler_output import SchedulerOutput  # noqa: E402
+from kilat.model_executor.loader.dummy import DUMMY_PRESETS  # noqa: E402
+
+VARIANTS = {"uni": {"distributed_executor_backend": "uni"}, "mp": {"distributed_executor_backend": "mp"},
+            "mp-tp2": {"tensor_parallel_size": 2}}
+
+
+def _decode_rate(llm: LLM, batch: int, max_tokens: int) -> float:
+    """Output tokens per second of ``batch`` greedy requests with 64-token prompts (distinct: no prefix hits)."""
+    prompts = [list(range(1000 + 64 * i, 1064 + 64 * i)) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def measure(model: str, variant: dict[str, Any], calls: int, max_tokens: int) -> dict[str, Any]:
+    """One variant's round trip and decode rates (the engine is built, warmed up and shut down here)."""
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, quantization="int8", max_model_len=1024,
+              **variant)
+    try:
+        executor = llm.engine.core.executor
+        _decode_rate(llm, 1, 8)  # warm-up
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            executor.execute_model(SchedulerOutput())
+            times.append(time.perf_counter() - start)
+        return {"round_trip_us": statistics.median(times) * 1e6,
+                "decode_1": _decode_rate(llm, 1, max_tokens), "decode_16": _decode_rate(llm, 16, max_tokens)}
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    model = Path(args.out).with_suffix(".model.json")
+    model.write_text(json.dumps(DUMMY_PRESETS["smollm2-135m"] | {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                                                  "head_dim": 72}))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, variant in VARIANTS.items():
+            runs[name].append(measure(str(model), variant, args.calls, args.max_tokens))
+            print(name, runs[name][-1], flush=True)
+    summary = {backend: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+               for backend, rows in runs.items()}
+    result = {"run_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit.strip(),
+              "machine": machine_info(), "command": " ".join(sys.argv), "rounds": runs, "median": summary,
+              "over_uni": {name: {key: summary[name][key] / summary["uni"][key] for key in ("decode_1", "decode_16")}
+                           for name in VARIANTS}}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["median"] | {"over_uni": result["over_uni"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
