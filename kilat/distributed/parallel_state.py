@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,36 +47,42 @@ SHM_MAX_ELEMS = 1 << 20
 larger tensors go through gloo."""
 
 
+def _map_shm(ops: Any, rank: int, world_size: int, name: str) -> shm_all_reduce.ShmAllReduce | None:
+    """This rank's mapping of the group's shared buffer, or ``None`` (logged) when it cannot be made."""
+    try:
+        return shm_all_reduce.ShmAllReduce(ops, rank, world_size, name, SHM_MAX_ELEMS)
+    except OSError as e:
+        logger.warning("tensor parallel: rank %d cannot map the shared-memory all-reduce (%s); gloo only", rank, e)
+        return None
+
+
+def _any_rank(failed: bool) -> bool:
+    """Whether ``failed`` holds on any rank (an all-reduce: every rank calls it)."""
+    flag = torch.tensor([float(failed)])
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
 def _init_shm(rank: int, world_size: int) -> shm_all_reduce.ShmAllReduce | None:
     """The group's shared-memory all-reduce, or ``None`` (its C++ op is off or did not build, or a rank could not
-    map the buffer: every rank then falls back to gloo together). Collective: every rank calls it."""
+    map the buffer: every rank then falls back to gloo together). Collective: every rank calls it. Rank 0 creates
+    the buffer before the others open it, and removes its name once every rank has it mapped (or none will)."""
     from kilat.model_executor.native import load_extension
 
     ops = load_extension("shm_all_reduce")
-    ok = torch.tensor([float(ops is None)])
-    dist.all_reduce(ok)
-    if ok.item():
+    if _any_rank(ops is None):
         return None
     name = [f"kilat-tp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
-    shm = None
+    shm = _map_shm(ops, rank, world_size, name[0]) if rank == 0 else None
+    if _any_rank(rank == 0 and shm is None):
+        return None
+    if rank:
+        shm = _map_shm(ops, rank, world_size, name[0])
+    failed = _any_rank(shm is None)
     if rank == 0:
-        try:
-            shm = shm_all_reduce.ShmAllReduce(ops, rank, world_size, name[0], SHM_MAX_ELEMS)
-        except OSError as e:
-            logger.warning("tensor parallel: no shared-memory all-reduce (%s); gloo only", e)
-            ok += 1
-    dist.all_reduce(ok)  # rank 0's failure, before the others try
-    if rank and not ok.item():
-        try:
-            shm = shm_all_reduce.ShmAllReduce(ops, rank, world_size, name[0], SHM_MAX_ELEMS)
-        except OSError as e:
-            logger.warning("tensor parallel: rank %d cannot map the shared-memory all-reduce (%s)", rank, e)
-            ok += 1
-    dist.all_reduce(ok)
-    if rank == 0 and shm is not None:
-        shm.unlink()  # every rank has it mapped (or none will use it)
-    return shm if not ok.item() else None
+        shm.unlink()
+    return None if failed else shm
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
