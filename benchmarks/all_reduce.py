@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kilat.bench.quality import machine_info  # noqa: E402
-from kilat.distributed.parallel_state import init_tensor_parallel, tensor_model_parallel_all_reduce  # noqa: E402
+from kilat.distributed.parallel_state import init_distributed, tensor_model_parallel_all_reduce  # noqa: E402
 
 SHAPES = [(1, 576), (16, 576), (64, 576), (512, 576), (1, 4096), (16, 4096)]
 """``[tokens, hidden]``: SmolLM2-135M's hidden size at decode batches 1, 16, 64 and a 512-token chunk; Llama-3-8B's."""
@@ -44,7 +44,7 @@ def _run(rank: int, world: int, port: int, iters: int, dtype: str, mode: str, ou
     torch.set_num_threads(1)
     os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]])
     os.environ["KILAT_SHM_ALL_REDUCE"] = "torch" if mode == "gloo" else "auto"
-    init_tensor_parallel(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    init_distributed(rank, world, 1, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
     results = {}
     for tokens, hidden in SHAPES:
         x = torch.randn(tokens, hidden, dtype=getattr(torch, dtype))

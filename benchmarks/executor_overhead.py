@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """What workers in their own processes cost (issue 16): ``distributed_executor_backend`` ``uni`` against ``mp``,
-and ``mp`` with ``tensor_parallel_size`` 2 (gloo), in one run, alternating the variants ``--rounds`` times so
-that a drifting host touches all alike.
+``mp`` with ``tensor_parallel_size`` 2 (gloo), and ``mp`` with ``pipeline_parallel_size`` 2, once as the engine
+runs it (two steps in flight) and once with one step at a time (``mp-pp2-serial``: the executor's and the
+scheduler's ``max_concurrent_batches`` set to 1, to show what the overlap of the stages brings), in one run,
+alternating the variants ``--rounds`` times so that a drifting host touches all alike.
 
 The model is SmolLM2-135M's shape with 8 query and 4 key-value heads of 72 (SmolLM2's 9 and 3 do not split in
 two), random weights, ``--quantization int8`` (kilat's fast CPU path that tensor parallelism can split).
@@ -39,7 +41,10 @@ from kilat.core.scheduler_output import SchedulerOutput  # noqa: E402
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS  # noqa: E402
 
 VARIANTS = {"uni": {"distributed_executor_backend": "uni"}, "mp": {"distributed_executor_backend": "mp"},
-            "mp-tp2": {"tensor_parallel_size": 2}}
+            "mp-tp2": {"tensor_parallel_size": 2}, "mp-pp2": {"pipeline_parallel_size": 2},
+            "mp-pp2-serial": {"pipeline_parallel_size": 2}}
+SERIAL = {"mp-pp2-serial"}
+"""Variants whose executor keeps one step in flight."""
 
 
 def _decode_rate(llm: LLM, batch: int, max_tokens: int) -> float:
@@ -52,12 +57,14 @@ def _decode_rate(llm: LLM, batch: int, max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
-def measure(model: str, variant: dict[str, Any], calls: int, max_tokens: int) -> dict[str, Any]:
+def measure(model: str, variant: dict[str, Any], calls: int, max_tokens: int, serial: bool) -> dict[str, Any]:
     """One variant's round trip and decode rates (the engine is built, warmed up and shut down here)."""
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, quantization="int8", max_model_len=1024,
               **variant)
     try:
         executor = llm.engine.core.executor
+        if serial:
+            executor.max_concurrent_batches = llm.engine.core.scheduler.max_concurrent_batches = 1
         _decode_rate(llm, 1, 8)  # warm-up
         times = []
         for _ in range(calls):
@@ -84,7 +91,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
         for name, variant in VARIANTS.items():
-            runs[name].append(measure(str(model), variant, args.calls, args.max_tokens))
+            runs[name].append(measure(str(model), variant, args.calls, args.max_tokens, name in SERIAL))
             print(name, runs[name][-1], flush=True)
     summary = {backend: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
                for backend, rows in runs.items()}

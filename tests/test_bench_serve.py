@@ -101,7 +101,7 @@ def test_bench_throughput_and_latency_offline(tiny_llama_dir: str, tmp_path: Pat
     assert run.returncode == 0, run.stderr
     w1 = json.loads(out.read_text())
     assert w1["output_tokens"] == 30 and w1["output_throughput"] == pytest.approx(30 / w1["duration_s"])
-    assert w1["spec_decode"] is None
+    assert w1["spec_decode"] is None and w1["parallel"]["distributed_executor_backend"] == "uni"
 
     out = tmp_path / "w1-ngram.json"
     run = bench("throughput", tiny_llama_dir, *common, "--num-prompts", "5", "--input-len", "8:24",
@@ -115,9 +115,11 @@ def test_bench_throughput_and_latency_offline(tiny_llama_dir: str, tmp_path: Pat
     out = tmp_path / "w2.json"
     run = bench("latency", tiny_llama_dir, *common, "--input-len", "16", "--output-len", "8", "--num-iters", "1",
                 "--memory-bandwidth-gbps", "10", "--result-json", str(out),
-                "--distributed-executor-backend", "mp")  # the bytes come from the worker process
+                "--pipeline-parallel-size", "2")  # the bytes come from two worker processes, one layer each
     assert run.returncode == 0, run.stderr
     w2 = json.loads(out.read_text())
+    assert w2["parallel"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "data_parallel_size": 1,
+                              "distributed_executor_backend": "mp"}
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     weights = AutoModelForCausalLM.from_config(config).num_parameters() * 4  # tied: the embedding is read once
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * 4

@@ -16,44 +16,43 @@ import zmq
 
 from kilat.core.core_process import EngineCoreReady
 from kilat.engine import async_llm, core_client
-from kilat.engine.async_llm import AsyncLLM
+from kilat.engine.async_llm import AsyncLLM, CoreHandle
 from kilat.engine.core_client import EngineCoreClient, EngineDeadError
 
 
-def _bare_engine(restarts: int, dead: list[str]) -> AsyncLLM:
-    """An AsyncLLM whose core already died, without starting one (only what supervision touches)."""
+def _bare_engine(restarts: int, dead: list[str]) -> tuple[AsyncLLM, CoreHandle]:
+    """An AsyncLLM with one core that already died, without starting one (only what supervision touches)."""
     engine = AsyncLLM.__new__(AsyncLLM)
     engine.config = None
-    engine.client = SimpleNamespace(shutdown=lambda: None)
+    handle = CoreHandle(0, SimpleNamespace(shutdown=lambda: None))
+    handle.ready_time = 0.0
+    engine.engines = [handle]
     engine.output_processor = SimpleNamespace(abort_request=lambda request_id: [])
     engine.stat_logger = None
-    engine.dead_error = None
-    engine.num_restarts = 0
     engine.max_engine_core_restarts = restarts
     engine._on_engine_dead = dead.append
-    engine._restarts_in_row = 0
-    engine._ready_time = 0.0
+    engine._dead_for_good = None
     engine._streams = {}
-    engine._output_task = None
-    return engine
+    engine._routed = {}
+    return engine, handle
 
 
 def test_restart_raising_oserror_is_a_failed_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     attempts = []
 
-    async def start(config: object) -> EngineCoreClient:
+    async def start(config: object, data_parallel_rank: int = 0) -> EngineCoreClient:
         attempts.append(config)
         raise OSError(28, "No space left on device")
 
-    async def died(self: AsyncLLM) -> None:
+    async def died(self: AsyncLLM, engine: CoreHandle) -> None:
         raise EngineDeadError("engine core exited with code -9")
 
     monkeypatch.setattr(async_llm, "_RESTART_BACKOFF_S", 0.0)
     monkeypatch.setattr(EngineCoreClient, "start", staticmethod(start))
     monkeypatch.setattr(AsyncLLM, "_receive_outputs", died)
     dead: list[str] = []
-    engine = _bare_engine(2, dead)
-    asyncio.run(asyncio.wait_for(engine._handle_outputs(), 10))
+    engine, handle = _bare_engine(2, dead)
+    asyncio.run(asyncio.wait_for(engine._handle_outputs(handle), 10))
     assert len(attempts) == 2
     assert dead == [engine.dead_error]
     assert engine.dead_error == ("the engine core died and 2 restart(s) in a row did not keep it up "
@@ -62,17 +61,17 @@ def test_restart_raising_oserror_is_a_failed_attempt(monkeypatch: pytest.MonkeyP
 
 
 def test_any_supervision_failure_calls_on_engine_dead(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def died(self: AsyncLLM) -> None:
+    async def died(self: AsyncLLM, engine: CoreHandle) -> None:
         raise EngineDeadError("engine core exited with code -9")
 
-    async def broken(self: AsyncLLM) -> bool:
+    async def broken(self: AsyncLLM, engine: CoreHandle) -> bool:
         raise RuntimeError("bug")
 
     monkeypatch.setattr(AsyncLLM, "_receive_outputs", died)
     monkeypatch.setattr(AsyncLLM, "_restart", broken)
     dead: list[str] = []
-    engine = _bare_engine(2, dead)
-    asyncio.run(asyncio.wait_for(engine._handle_outputs(), 10))
+    engine, handle = _bare_engine(2, dead)
+    asyncio.run(asyncio.wait_for(engine._handle_outputs(handle), 10))
     assert dead == ["the engine core died and could not be restarted (RuntimeError: bug)"]
 
 
@@ -98,7 +97,7 @@ class _ThreadProcess:
     kill = terminate
 
 
-def _fake_core(config: object, input_address: str, output_address: str) -> None:
+def _fake_core(config: object, input_address: str, output_address: str, data_parallel_rank: int) -> None:
     """Ready at once, then five messages 0.2 s apart, each the time it was sent."""
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)

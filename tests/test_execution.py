@@ -104,7 +104,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert set(sections) == {"kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-                             "hf-smollm2-135m", "quantization", "spec_decode"}
+                             "hf-smollm2-135m", "quantization", "spec_decode", "parallel"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     # HF generate_batch sized its paged cache from free host memory (12.5 GB peak on a 24 GiB machine)
     assert 100 < report["peak_rss_mib"] < 2048, {name: s["peak_rss_mib"] for name, s in sections.items()}
@@ -130,6 +130,10 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert spec["bfloat16"]["ngram-k4"]["output_tokens"] == 8 and spec["bfloat16"]["ngram-k4"]["spec_decode"]
     assert report["summary"]["spec_decode ngram-k4 / none tokens/s (bf16, W2 copy prompt)"]["value"] > 0
     assert report["summary"]["spec_decode greedy float32 equal with ngram-k4 and without"]["met"] is True
+    splits = sections["parallel"]["splits"]  # on the CPU over gloo: every split runs
+    assert {name: run["equal_to_tp1"] for name, run in splits.items()} == {
+        "tp1": True, "tp2": True, "pp2": True, "tp2-pp2": True}
+    assert sections["parallel"]["all_equal"] is True
 
 
 @pytest.mark.slow

@@ -221,7 +221,7 @@ def test_cache_config_info_metric() -> None:
     logger.engine_core_ready(CacheConfig(block_size=32, kv_cache_dtype="fp8_e5m2", enable_prefix_caching=False), 1234)
     logger.engine_core_died()  # a configuration, not a gauge of the running core: kept
     assert ('kilat:cache_config_info{block_size="32",cache_dtype="fp8_e5m2",enable_prefix_caching="False",'
-            'num_gpu_blocks="1234"} 1.0') in logger.render().decode().splitlines()
+            'engine="0",num_gpu_blocks="1234"} 1.0') in logger.render().decode().splitlines()
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
@@ -294,7 +294,7 @@ def test_server_with_int8_kv_cache_shows_its_blocks() -> None:
     try:
         num_blocks = (64 << 20) // (2 * 30 * 16 * 3 * (64 + 4))
         info = (f'kilat:cache_config_info{{block_size="16",cache_dtype="int8",enable_prefix_caching="True",'
-                f'num_gpu_blocks="{num_blocks}"}} 1.0')
+                f'engine="0",num_gpu_blocks="{num_blocks}"}} 1.0')
         assert info in requests.get(server.url + "/metrics", timeout=10).text.splitlines()
         reply = requests.post(server.url + "/v1/completions", timeout=120, json={
             "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,

@@ -21,18 +21,20 @@ def render(stats: EngineStats) -> str:
 
 def test_spec_decode_counters_are_exported() -> None:
     lines = render(EngineStats(spec_decode=SPEC)).splitlines()
-    for sample in ("kilat:spec_decode_num_drafts_total 4.0", "kilat:spec_decode_num_draft_tokens_total 12.0",
-                   "kilat:spec_decode_num_accepted_tokens_total 7.0", "kilat:spec_decode_num_emitted_tokens_total 11.0",
-                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4.0',
-                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0',
-                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 0.0',
+    for sample in ('kilat:spec_decode_num_drafts_total{engine="0"} 4.0',
+                   'kilat:spec_decode_num_draft_tokens_total{engine="0"} 12.0',
+                   'kilat:spec_decode_num_accepted_tokens_total{engine="0"} 7.0',
+                   'kilat:spec_decode_num_emitted_tokens_total{engine="0"} 11.0',
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 4.0',
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 3.0',
+                   'kilat:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="2"} 0.0',
                    "# TYPE kilat:spec_decode_num_accepted_tokens_per_pos_total counter"):
         assert sample in lines
 
 
 def test_without_speculation_counters_are_zero() -> None:
     text = render(EngineStats())
-    assert "kilat:spec_decode_num_draft_tokens_total 0.0" in text.splitlines()
+    assert 'kilat:spec_decode_num_draft_tokens_total{engine="0"} 0.0' in text.splitlines()
     assert "kilat:spec_decode_num_accepted_tokens_per_pos_total{" not in text
 
 
@@ -66,9 +68,9 @@ def test_dead_engine_core_keeps_counters_and_zeroes_gauges() -> None:
                                   last_step=StepStats(num_running=1)))
     samples = parse_samples(logger.render().decode())
     assert samples["kilat:prompt_tokens_total"] == 8
-    assert samples['kilat:request_success_total{finished_reason="stop"}'] == 3
-    assert samples['kilat:request_success_total{finished_reason="length"}'] == 1
+    assert samples['kilat:request_success_total{engine="0",finished_reason="stop"}'] == 3
+    assert samples['kilat:request_success_total{engine="0",finished_reason="length"}'] == 1
     assert samples["kilat:spec_decode_num_draft_tokens_total"] == 16
-    assert [samples[f'kilat:spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}'] for p in range(4)] == [
-        5, 4, 1, 1]
+    assert [samples[f'kilat:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{p}"}}']
+            for p in range(4)] == [5, 4, 1, 1]
     assert (samples["kilat:num_requests_running"], samples["kilat:engine_core_restarts_total"]) == (1, 1)

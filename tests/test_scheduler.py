@@ -117,3 +117,32 @@ def test_prefix_counters_count_each_prompt_once():
     assert steps_c_waited >= 2, "c must be held back by the small cache for several steps"
     assert kv.prefix_queries == 12 + 12 + 15
     assert kv.prefix_hits == sum(r.num_cached_tokens for r in requests) > 0
+
+
+def test_pipelined_steps_take_turns_and_never_touch_in_flight_requests():
+    """With two steps in flight, a step takes half the running requests (rounded up) that are not in flight; the
+    next takes the others; a request short of blocks preempts the newest request that is not in flight, and the
+    runner is sent the tokens each request gained since it was last scheduled."""
+    kv = KVCacheManager(7, 4, False)
+    s = Scheduler(SchedulerConfig(8, 64, True), kv, max_model_len=1024, max_concurrent_batches=2)
+    for rid in "abc":
+        s.add_request(req(rid, 4, max_tokens=8))
+    first, _ = run_step(s)  # prefills, 1 block each; every request samples one token
+    assert list(first.num_scheduled_tokens) == ["a", "b", "c"]
+    batch = s.schedule()
+    assert batch.num_scheduled_tokens == {"a": 1, "b": 1}  # ceil(3 / 2) running requests
+    assert batch.scheduled_cached_reqs.new_token_ids == [[7], [7]]
+    s.in_flight.update(batch.num_scheduled_tokens)
+    other = s.schedule()
+    assert other.num_scheduled_tokens == {"c": 1}
+    s.in_flight.update(other.num_scheduled_tokens)
+    assert s.schedule().num_scheduled_tokens == {}  # everything is in flight
+    s.update_from_output(batch, ModelRunnerOutput(sampled_token_ids={"a": [8], "b": [8]}))
+    s.in_flight.difference_update(batch.num_scheduled_tokens)
+    for _ in range(3):  # a and b fill their second block; c (in flight) keeps its blocks
+        out = s.schedule()
+        assert set(out.num_scheduled_tokens) == {"a", "b"} and not out.preempted_req_ids
+        s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [9] for rid in out.num_scheduled_tokens}))
+    out = s.schedule()  # a takes the last free block; b needs one too and preempts itself, not c (newer, in flight)
+    assert out.preempted_req_ids == {"b"} and list(out.num_scheduled_tokens) == ["a"]
+    assert s.requests["c"].status == RequestStatus.RUNNING and kv.num_blocks(s.requests["c"]) == 2

@@ -15,7 +15,7 @@ from kilat.distributed import parallel_state
 
 def _rank(rank: int, world: int, port: int, out: Any) -> None:
     torch.set_num_threads(1)
-    parallel_state.init_tensor_parallel(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    parallel_state.init_distributed(rank, world, 1, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
     used_shm = parallel_state._SHM is not None
     sizes = torch.Generator().manual_seed(0)
     errors = 0

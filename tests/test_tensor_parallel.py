@@ -5,6 +5,7 @@ added once, the vocabulary is padded to split evenly; what cannot be split is a 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -57,10 +58,10 @@ def test_two_ranks_match_one(tiny_llama_dir):
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 40
         # one rank raising leaves the others' collectives out of step: fatal, and later steps are refused
         unknown = CachedRequestData()
-        unknown.append("never-scheduled", False, [], 1, 3)
+        unknown.append("never-scheduled", False, [], 1, 3, [])
         bad = SchedulerOutput(scheduled_cached_reqs=unknown, num_scheduled_tokens={"never-scheduled": 1},
                               total_num_scheduled_tokens=1)
-        with pytest.raises(WorkerDiedError, match=r"failed \(KeyError: 'never-scheduled'\); the tensor-parallel"):
+        with pytest.raises(WorkerDiedError, match=r"failed \(KeyError: 'never-scheduled'\); the model.s ranks"):
             llm.engine.core.executor.execute_model(bad)
         with pytest.raises(WorkerDiedError, match="the workers are unusable"):
             llm.engine.core.executor.execute_model(SchedulerOutput())
@@ -77,11 +78,27 @@ def test_replicated_kv_heads_biases_and_a_padded_vocabulary(tmp_path):
     assert _greedy(model, prompts, **kwargs, tensor_parallel_size=2) == _greedy(model, prompts, **kwargs)
 
 
+def test_a_cache_too_big_for_one_rank_fits_on_two(tiny_llama_dir):
+    """Each rank's ``kv_cache_memory`` holds half the key/value heads: 32 KiB is 64 tokens of the tiny model's
+    KV on one rank (fewer than ``max_model_len`` 100: refused), 128 tokens per rank on two (served, with the
+    tokens of one rank that has room)."""
+    kwargs = {"dtype": "float32", "max_model_len": 100, "kv_cache_memory": 32 << 10}
+    with pytest.raises(ValueError, match=r"the KV cache holds 64 tokens \(4 blocks\), fewer than max_model_len"):
+        LLM(tiny_llama_dir, **kwargs)
+    llm = LLM(tiny_llama_dir, **kwargs, tensor_parallel_size=2)
+    try:
+        assert llm.engine.core.info.num_blocks == 8
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == _greedy(tiny_llama_dir, PROMPTS[:2], **{**kwargs, "kv_cache_memory": 1 << 20})
+
+
 @pytest.fixture
 def tp_group(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, int], None]:
     """Make layers built next see this process as ``rank`` of ``world_size`` (no collective runs)."""
     def set_group(rank: int, world_size: int) -> None:
-        monkeypatch.setattr(parallel_state, "_GROUP", parallel_state.TensorParallelGroup(rank, world_size))
+        monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelGroup(rank, world_size))
     return set_group
 
 
@@ -121,23 +138,31 @@ def test_row_parallel_bias_is_added_once(tp_group):
 
 
 @pytest.mark.slow
-def test_smollm2_three_ranks_match_one():
-    """The embedded model dequantized to float32 (9 query and 3 key-value heads: 3 and 1 per rank) on three
-    ranks, on two cores."""
-    prompts = [list(range(200 + 40 * i, 240 + 40 * i)) for i in range(3)]
-    kwargs = {"dtype": "float32", "max_model_len": 256}
-    assert _greedy(None, prompts, **kwargs, tensor_parallel_size=3) == _greedy(None, prompts, **kwargs)
+def test_smollm2_split_ranks_match_one():
+    """The embedded model dequantized to float32 on three tensor-parallel ranks (9 query and 3 key-value heads: 3
+    and 1 per rank; two ranks cannot split 9 heads), as ``mp`` workers and as Ray actors, and in two pipeline
+    stages (15 layers each), on two cores, with chunked prefill (32-token budget), prefix hits and n-gram
+    speculative decoding."""
+    shared = list(range(200, 240))
+    prompts = [shared + [7, 8, 9, 7, 8, 9, 7, 8], shared + list(range(300, 310)), list(range(400, 430)) * 2]
+    kwargs = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 32,
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    want = _greedy(None, prompts, **kwargs)
+    assert _greedy(None, prompts, **kwargs, tensor_parallel_size=3) == want
+    assert _greedy(None, prompts, **kwargs, pipeline_parallel_size=2) == want
+    if importlib.util.find_spec("ray") is not None:  # the dev extras install it
+        assert _greedy(None, prompts, **kwargs, tensor_parallel_size=3, distributed_executor_backend="ray") == want
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
-     "distributed_executor_backend 'uni' runs one worker; tensor_parallel_size 2 needs 'mp'"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},  # refused before the heads are read
+     "distributed_executor_backend 'uni' runs one worker; tensor_parallel_size 2 x pipeline_parallel_size 1 needs"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
     ({"tensor_parallel_size": 2, "model": os.path.join(smollm2_dir(), "SmolLM2-135M-Instruct.Q4_1.gguf")},
      "tensor_parallel_size 2 cannot split quantization 'gguf' yet"),
-    ({"tensor_parallel_size": 2, "dtype": "float32",
+    ({"tensor_parallel_size": 3, "dtype": "float32",
       "speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}},
-     "speculative_config method 'draft_model' runs with tensor_parallel_size 1 only"),
+     "speculative_config method 'draft_model' runs with tensor_parallel_size and pipeline_parallel_size 1 only"),
 ])
 def test_bad_combinations_fail_before_loading(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -11,6 +11,7 @@ decode step (weights + KV cache touched) × decode steps/s ÷ peak memory bandwi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
@@ -60,6 +61,12 @@ def _spec_decode(llm: Any) -> dict[str, Any] | None:
     return llm.engine.stats.spec_decode.summary()
 
 
+def _parallel(llm: Any) -> dict[str, Any]:
+    """The engine's parallel configuration (``ParallelConfig``'s fields, the executor backend resolved)."""
+    parallel = llm.engine.config.parallel
+    return {**dataclasses.asdict(parallel), "distributed_executor_backend": parallel.executor_backend}
+
+
 def _write(result: dict[str, Any], path: str | None) -> None:
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2))
     if path:
@@ -82,7 +89,8 @@ def cmd_throughput(ns: argparse.Namespace) -> None:
     _write({"workload": "W1", "num_prompts": ns.num_prompts, "input_len": list(ns.input_len),
             "output_len": ns.output_len, "duration_s": duration, "output_tokens": out_tokens,
             "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
-            "dtype": ns.dtype, "model": ns.model, "spec_decode": _spec_decode(llm)}, ns.result_json)
+            "dtype": ns.dtype, "model": ns.model, "parallel": _parallel(llm), "spec_decode": _spec_decode(llm)},
+           ns.result_json)
 
 
 def cmd_latency(ns: argparse.Namespace) -> None:
@@ -107,7 +115,7 @@ def cmd_latency(ns: argparse.Namespace) -> None:
             "bytes_per_decode_step": step_bytes, "memory_bandwidth_gbps": bandwidth / 1e9,
             "bandwidth_source": "given" if ns.memory_bandwidth_gbps else "measured (tensor copy)",
             "mbu": step_bytes * best["decode_tokens_per_s"] / bandwidth,
-            "median_of": len(runs), "dtype": info.dtype, "model": ns.model,
+            "median_of": len(runs), "dtype": info.dtype, "model": ns.model, "parallel": _parallel(llm),
             "spec_decode": _spec_decode(llm)}, ns.result_json)
 
 

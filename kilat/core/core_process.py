@@ -28,6 +28,7 @@ from kilat.core.engine_core import EngineCore, EngineCoreOutput, StepFailed
 from kilat.core.request import EngineCoreRequest, RequestStatus
 from kilat.executor.abstract import WorkerDiedError
 from kilat.metrics.stats import EngineStats
+from kilat.model_executor.cpu_threads import take_cpu_share
 from kilat.outputs import RequestError
 
 logger = logging.getLogger("kilat")
@@ -179,14 +180,37 @@ def _watch_parent() -> None:
     os._exit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+def _take_data_parallel_share(config: EngineConfig, rank: int) -> EngineConfig:
+    """With several engine cores on one host, give rank ``rank`` (and the workers it starts, which inherit it) its
+    own share of the host: on the CPU ``cores // data_parallel_size`` contiguous cores of this process's (with
+    fewer cores than engines: unpinned, one thread), on CUDA its ``world_size`` GPUs (``CUDA_VISIBLE_DEVICES``, set
+    before CUDA is initialized here). Returns ``config``, with ``num_threads`` 1 in the unpinned case."""
+    size = config.parallel.data_parallel_size
+    if size == 1:
+        return config
+    if config.device == "cuda":
+        import torch
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        world = config.parallel.world_size
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * world:(rank + 1) * world])
+        logger.info("data parallel: engine core %d of %d uses GPUs %s", rank, size, os.environ["CUDA_VISIBLE_DEVICES"])
+        return config
+    return take_cpu_share(config, rank, size, "engine core")
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    data_parallel_rank: int = 0) -> None:
     """Process entry point: load the model, send :class:`EngineCoreReady`, and loop.
 
     SIGINT is ignored (Ctrl-C reaches the whole process group; the frontend decides when to stop),
     SIGTERM exits cleanly, and the process ends within a second of the frontend's death. A failure while
     loading is sent to the frontend as an :class:`EngineCoreOutputs` with ``error`` set, and the process
     exits with status 1; so does a worker process's death (``WorkerDiedError``), after which the frontend
-    restarts the core. On the way out the core stops its workers and grammar compile workers.
+    restarts the core. On the way out the core stops its workers and grammar compile workers. With
+    ``data_parallel_size`` above 1, engine core ``data_parallel_rank`` first takes its share of the host
+    (:func:`_take_data_parallel_share`).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit)
@@ -199,6 +223,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.connect(output_address)
     try:
         try:
+            config = _take_data_parallel_share(config, data_parallel_rank)
             core = EngineCore(dataclasses.replace(config, frontend_pid=os.getppid()))
         except Exception as e:
             logger.exception("engine core: loading failed")

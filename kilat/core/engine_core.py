@@ -1,9 +1,11 @@
-"""The engine core: one step is schedule → execute → update (the loop of vLLM's V1 EngineCore)."""
+"""The engine core: one step is schedule → execute → update (the loop of vLLM's V1 EngineCore); with pipeline
+parallelism, schedule → submit while there is room, and collect → update the oldest step in flight."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,7 @@ from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
-from kilat.core.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, SchedulerOutput
+from kilat.core.scheduler_output import SchedulerOutput
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.executor import get_executor_class
 from kilat.executor.abstract import WorkerDiedError
@@ -90,8 +92,11 @@ class EngineCore:
         info = self.info = self.executor.info
         self.max_model_len = info.max_model_len
         self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens,
+                                   self.executor.max_concurrent_batches)
         self.stats = EngineStats()
+        self.batch_queue: deque[_Batch] = deque()  # submitted steps not yet collected, oldest first
+        self._num_scheduled_tokens = self._num_preempted = 0  # of the last schedule, for the step's stats
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d), kv_cache_dtype %s (%s, "
                     "%d bytes per block)", info.num_blocks, config.cache.block_size,
@@ -119,7 +124,8 @@ class EngineCore:
         Raises:
             ValueError: a request id is already in use (none of the group is queued then).
         """
-        clash = [r.request_id for r in group if r.request_id in self.scheduler.requests]
+        clash = [r.request_id for r in group
+                 if r.request_id in self.scheduler.requests or r.request_id in self.scheduler.in_flight]
         if clash:
             raise ValueError(f"request_id {clash[0]!r} is already in use")
         leader: Request | None = None
@@ -144,8 +150,9 @@ class EngineCore:
 
     def waits_only_for_grammars(self) -> bool:
         """True when no step can do anything until a grammar compile ends (:attr:`grammar_wakeup_fd` then
-        becomes readable) or a new message arrives: the core process sleeps instead of stepping."""
-        return self.scheduler.waits_only_for_grammars()
+        becomes readable) or a new message arrives: the core process sleeps instead of stepping. Never while a
+        submitted step waits to be collected."""
+        return not self.batch_queue and self.scheduler.waits_only_for_grammars()
 
     @property
     def grammar_wakeup_fd(self) -> int | None:
@@ -174,8 +181,8 @@ class EngineCore:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs."""
-        return self.scheduler.num_unfinished > 0
+        """True while any request waits or runs, or a submitted step has not been collected."""
+        return self.scheduler.num_unfinished > 0 or bool(self.batch_queue)
 
     def update_gauges(self) -> EngineStats:
         """Refresh the running/waiting/KV-usage gauges from the current state (e.g. after aborts)."""
@@ -209,6 +216,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return an output for every request that sampled a token or finished.
 
+        With one step in flight at a time (``executor.max_concurrent_batches`` 1) a step schedules, runs and
+        updates. With more (pipeline parallelism: vLLM's batch queue) a step schedules and submits a batch of
+        requests that are not in flight while there is room, and collects the oldest batch's output when the
+        queue is full or nothing new could be scheduled; so a step may return only grammar aborts.
+
         Raises:
             StepFailed: the model (or the draft model) raised; the step's requests are aborted (those that
                 finished in it report ``abort`` too) and the prefix cache is cleared.
@@ -222,33 +234,81 @@ class EngineCore:
             logger.log(logging.INFO if error.client_error else logging.ERROR, "request %s: %s", rid, error.message)
         outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
                    for r in self.abort_requests(list(failed))]
+        submitted = len(self.batch_queue) < self.executor.max_concurrent_batches and self._schedule_and_submit()
+        if self.batch_queue and (not submitted or len(self.batch_queue) == self.executor.max_concurrent_batches):
+            outputs += self._collect_oldest()
+        self.stats.prefix_cache_queries = self.kv.prefix_queries
+        self.stats.prefix_cache_hits = self.kv.prefix_hits
+        self.stats.last_step = StepStats(
+            num_scheduled_tokens=self._num_scheduled_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preempted=self._num_preempted,
+            step_time=time.perf_counter() - start,
+        )
+        return outputs
+
+    def _schedule_and_submit(self) -> bool:
+        """Schedule a batch and hand it to the executor; ``False`` when there was nothing to send.
+
+        Raises:
+            StepFailed: building the grammar bitmask (or, in process, nothing else) raised.
+            WorkerDiedError: as :meth:`Executor.submit`.
+        """
         sched = self.scheduler.schedule()
+        self._num_scheduled_tokens, self._num_preempted = sched.total_num_scheduled_tokens, len(sched.preempted_req_ids)
+        self.stats.num_preemptions += len(sched.preempted_req_ids)
+        if not sched.num_scheduled_tokens and not sched.finished_req_ids:
+            return False
         requests = {rid: self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens}
-        num_before = {rid: r.num_output_tokens for rid, r in requests.items()}
         try:
             self._add_grammar_bitmask(sched, requests)
-            result = self.executor.execute_model(sched) if sched.num_scheduled_tokens or sched.finished_req_ids \
-                else EMPTY_MODEL_RUNNER_OUTPUT
+            self.executor.submit(sched)
         except WorkerDiedError:
             raise
-        except Exception as e:  # the grammar matchers, the model or the draft model raised
+        except Exception as e:  # the grammar matchers raised, or the step could not be sent (e.g. not picklable)
             self._fail_step(sched)
             raise StepFailed(list(requests), e) from e
+        self.scheduler.in_flight.update(requests)
+        self.batch_queue.append(_Batch(sched, requests, {rid: r.num_output_tokens for rid, r in requests.items()}))
+        return True
+
+    def _collect_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest submitted batch, update the scheduler from its output and turn that into outputs
+        (none for requests aborted while the batch was in flight).
+
+        Raises:
+            StepFailed, WorkerDiedError: as :meth:`step`.
+        """
+        batch = self.batch_queue.popleft()
+        sched, requests = batch.sched, batch.requests
+        try:
+            result = self.executor.collect()
+        except WorkerDiedError:
+            raise
+        except Exception as e:  # the model or the draft model raised
+            self._fail_step(sched)
+            raise StepFailed(list(requests), e) from e
+        finally:
+            self.scheduler.in_flight.difference_update(requests)
         now = time.time()
+        outputs = []
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result)}
         for rid, request in requests.items():
-            if rid not in result.sampled_token_ids:
+            if rid not in result.sampled_token_ids or (rid not in finished and rid not in self.scheduler.requests):
                 continue
             logprobs = result.logprobs.get(rid)
             self.stats.spec_decode.observe(len(sched.scheduled_spec_decode_tokens.get(rid, ())),
                                            len(result.sampled_token_ids[rid]) - 1)
-            new_tokens = request.output_token_ids[num_before[rid]:]
+            num_before = batch.num_output_tokens[rid]
+            new_tokens = request.output_token_ids[num_before:]
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens = request.num_output_tokens
-            first = num_before[rid] == 0
+            first = num_before == 0
             if first:
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.stats.num_generation_tokens += len(new_tokens)
@@ -265,15 +325,14 @@ class EngineCore:
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1
-        self.stats.num_preemptions += len(sched.preempted_req_ids)
-        self.stats.prefix_cache_queries = self.kv.prefix_queries
-        self.stats.prefix_cache_hits = self.kv.prefix_hits
-        self.stats.last_step = StepStats(
-            num_scheduled_tokens=sched.total_num_scheduled_tokens,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            num_preempted=len(sched.preempted_req_ids),
-            step_time=time.perf_counter() - start,
-        )
         return outputs
+
+
+@dataclass
+class _Batch:
+    """A submitted step that the engine core has not collected: the step, its requests by id, and how many output
+    tokens each had when it was scheduled."""
+
+    sched: SchedulerOutput
+    requests: dict[str, Request]
+    num_output_tokens: dict[str, int]

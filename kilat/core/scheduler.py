@@ -10,8 +10,14 @@ target verified them, ``num_computed_tokens`` advances past the accepted drafts 
 held nothing but rejected drafts are freed.
 
 The runner learns all this from the :class:`SchedulerOutput` data alone (new requests in full, the others as
-diffs: new block ids, computed tokens, resumed-from-preemption), and the scheduler learns the sampled tokens and
-the next drafts from the :class:`ModelRunnerOutput`.
+diffs: new block ids, computed tokens, tokens gained, resumed-from-preemption), and the scheduler learns the
+sampled tokens and the next drafts from the :class:`ModelRunnerOutput`.
+
+With pipeline parallelism several steps are in flight at once (the engine core's batch queue): a request in a
+step whose output has not come back (:attr:`Scheduler.in_flight`) is neither scheduled again nor preempted, so
+the next step takes other requests and the stages overlap. So that there are other requests, a step then takes
+at most ``1 / max_concurrent_batches`` of the running requests (rounded up): decoding requests split into
+micro-batches that take turns.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ class Scheduler:
         max_model_len: longest context in tokens.
         num_lookahead_tokens: slots reserved after a request's last token whenever it reaches it, for the KV
             of the drafts a draft model writes after the step (``num_speculative_tokens``; 0 otherwise).
+        max_concurrent_batches: steps the engine core keeps in flight (the executor's; module docs).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0):
+                 num_lookahead_tokens: int = 0, max_concurrent_batches: int = 1):
         self.config = config
+        self.max_concurrent_batches = max_concurrent_batches
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -47,7 +55,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
+        self.in_flight: set[str] = set()  # requests of steps sent whose output has not come back (module docs)
         self._num_sent_blocks: dict[str, int] = {}  # request id → block ids the runner holds for it
+        self._num_sent_tokens: dict[str, int] = {}  # request id → tokens the runner was sent (prompt included)
 
     @property
     def num_unfinished(self) -> int:
@@ -89,11 +99,13 @@ class Scheduler:
         request.clear_drafts()
         self.requests.pop(request.request_id, None)
         self._num_sent_blocks.pop(request.request_id, None)
+        self._num_sent_tokens.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         request.metrics.finished_time = time.time()
 
     def _preempt_last(self) -> Request:
-        victim = self.running.pop()
+        """Preempt the newest running request that is not in flight."""
+        victim = self.running.pop(max(i for i, r in enumerate(self.running) if r.request_id not in self.in_flight))
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -145,8 +157,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         i = 0
-        while i < len(self.running) and budget > 0:
+        max_running = -(-len(self.running) // self.max_concurrent_batches)  # this step's share (module docs)
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_running:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = request.num_tokens - request.num_computed_tokens
             if request.spec_token_ids:
                 self._fit_drafts(request, budget - num_new)
@@ -214,9 +230,11 @@ class Scheduler:
             new_blocks = self.kv.get_block_ids(request, num_sent or 0)
             num_blocks = (num_sent or 0) + len(new_blocks)
             self._num_sent_blocks[rid] = num_blocks
+            num_sent_tokens = self._num_sent_tokens.get(rid, request.num_prompt_tokens)
+            self._num_sent_tokens[rid] = request.num_tokens
             if num_sent is not None or rid in resumed:
                 out.scheduled_cached_reqs.append(rid, rid in resumed, new_blocks, num_blocks,
-                                                 request.num_computed_tokens)
+                                                 request.num_computed_tokens, request.all_token_ids[num_sent_tokens:])
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params, request.eos_token_id, request.index,

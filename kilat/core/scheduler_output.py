@@ -58,6 +58,8 @@ class CachedRequestData:
             ``num_blocks - len(new_block_ids)`` blocks before appending (blocks that held only rejected draft
             tokens are freed, so a table can shrink).
         num_computed_tokens: tokens whose KV is computed before this step.
+        new_token_ids: the tokens the request gained (sampled, accepted drafts) since it was last sent; read by the
+            pipeline stages that do not sample (vLLM's field of the same name).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -65,15 +67,17 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     def append(self, req_id: str, resumed: bool, new_block_ids: list[int], num_blocks: int,
-               num_computed_tokens: int) -> None:
+               num_computed_tokens: int, new_token_ids: list[int]) -> None:
         """Add one request's row."""
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed)
         self.new_block_ids.append(new_block_ids)
         self.num_blocks.append(num_blocks)
         self.num_computed_tokens.append(num_computed_tokens)
+        self.new_token_ids.append(new_token_ids)
 
 
 @dataclass
@@ -127,6 +131,3 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
-"""The output of a step that computed nothing (never mutated)."""

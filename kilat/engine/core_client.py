@@ -4,8 +4,8 @@ The core runs :func:`kilat.core.core_process.run_engine_core` in a ``spawn``-ed 
 inherited from the API process). Two ZMQ PUSH/PULL pairs over IPC sockets in a private temporary
 directory carry pickled messages. Sends never block: there is no high-water mark, and a send that finds no
 peer (the core has exited) fails at once instead of waiting, so the API process never waits on the model.
-A client drives one core process: :class:`~kilat.engine.async_llm.AsyncLLM` starts a new client (with
-:meth:`EngineCoreClient.start`) to restart a core that died.
+A client drives one core process: :class:`~kilat.engine.async_llm.AsyncLLM` starts one per data-parallel rank,
+and a new client (with :meth:`EngineCoreClient.start`) to restart a core that died.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class EngineCoreClient:
     Args:
         config: validated engine configuration.
         ready_timeout_s: most seconds to wait for the model to load.
-        wait: wait here for the model to load (``False``: :meth:`start` waits, and sets ``ready``).
+        wait: wait here for the model to load (``False``: :meth:`start` or :meth:`wait_ready` waits, and sets
+            ``ready``).
+        data_parallel_rank: which of the ``data_parallel_size`` engine cores this is (it takes that share of the
+            CPU cores).
 
     Attributes:
         ready: what the core sent once its model was loaded (``None`` until then).
@@ -56,7 +59,9 @@ class EngineCoreClient:
         EngineDeadError: the process failed to load the model (its error is in the message) or timed out.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0, wait: bool = True):
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0, wait: bool = True,
+                 data_parallel_rank: int = 0):
+        self.data_parallel_rank = data_parallel_rank
         self._dir = tempfile.mkdtemp(prefix="kilat-")
         input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
@@ -68,26 +73,23 @@ class EngineCoreClient:
         self._output.bind(output_address)
         self._async_output: zmq.asyncio.Socket | None = None
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address),
-            name="kilat-engine-core", daemon=True)
+            target=run_engine_core, args=(config, input_address, output_address, data_parallel_rank),
+            name=f"kilat-engine-core-{data_parallel_rank}", daemon=True)
         self.process.start()
         self.ready: EngineCoreReady | None = None
         if wait:
-            try:
-                self.ready = self._wait_ready(ready_timeout_s)
-            except BaseException:
-                self.shutdown()
-                raise
+            self.wait_ready(ready_timeout_s)
 
     @classmethod
-    async def start(cls, config: EngineConfig, ready_timeout_s: float = 900.0) -> EngineCoreClient:
+    async def start(cls, config: EngineConfig, ready_timeout_s: float = 900.0,
+                    data_parallel_rank: int = 0) -> EngineCoreClient:
         """Start a core process and wait for its model to load without blocking the event loop; a cancelled
         wait stops the process.
 
         Raises:
             EngineDeadError: as the constructor.
         """
-        client = cls(config, ready_timeout_s, wait=False)
+        client = cls(config, ready_timeout_s, wait=False, data_parallel_rank=data_parallel_rank)
         try:
             message = await asyncio.wait_for(client._next_message(), ready_timeout_s)
             client.ready = _as_ready(message)
@@ -98,6 +100,19 @@ class EngineCoreClient:
             client.shutdown()
             raise
         return client
+
+    def wait_ready(self, timeout_s: float = 900.0) -> EngineCoreReady:
+        """Block until the core has loaded the model; set and return ``ready``. On failure the core is shut down.
+
+        Raises:
+            EngineDeadError: as the constructor.
+        """
+        try:
+            self.ready = self._wait_ready(timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.ready
 
     def _wait_ready(self, timeout_s: float) -> EngineCoreReady:
         deadline = time.monotonic() + timeout_s

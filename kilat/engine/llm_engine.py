@@ -26,11 +26,14 @@ class LLMEngine:
         engine_args: flat engine arguments (vLLM names).
 
     Raises:
-        ValueError: an invalid argument, named.
+        ValueError: an invalid argument, named (``data_parallel_size`` above 1: one engine runs here).
     """
 
     def __init__(self, engine_args: EngineArgs):
         self.config = engine_args.create_engine_config()
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size ({self.config.parallel.data_parallel_size}) is for kilat serve "
+                             f"(engine cores behind one server); the offline LLM runs one engine")
         self.core = EngineCore(self.config)
         self.hf_config = self.core.info.hf_config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(

@@ -2,7 +2,8 @@
 
 The engine core hands an executor a :class:`~kilat.core.scheduler_output.SchedulerOutput` per step and gets a
 :class:`~kilat.core.scheduler_output.ModelRunnerOutput` back; whether the worker runs in the same process
-(``uni``) or in a process of its own (``mp``) is invisible to the core. Backends are imported on first use.
+(``uni``), in a process of its own (``mp``) or in a Ray actor on any machine of a Ray cluster (``ray``) is
+invisible to the core. Backends are imported on first use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 EXECUTOR_BACKENDS = {
     "uni": "kilat.executor.uniproc:UniProcExecutor",
     "mp": "kilat.executor.multiproc:MultiprocExecutor",
+    "ray": "kilat.executor.ray_executor:RayExecutor",
 }
 """``distributed_executor_backend`` name → ``module:class`` of its executor."""
 

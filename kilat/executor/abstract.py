@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -18,13 +19,16 @@ class WorkerInfo:
     Attributes:
         hf_config: the model's transformers config.
         dtype: the model (activation) dtype's name (``"bfloat16"``, ``"float32"``, ...).
-        weight_bytes: bytes of this worker's weights as stored (``kilat.bench.mbu.weight_bytes``; one rank's).
-        kv_bytes_per_token: bytes one token's K and V take in this worker's cache, scales included.
+        weight_bytes: bytes of the weights as stored (``kilat.bench.mbu.weight_bytes``): one tensor-parallel rank's,
+            over every pipeline stage.
+        kv_bytes_per_token: bytes one token's K and V take in the cache of one tensor-parallel rank (every
+            pipeline stage's layers), scales included.
         max_model_len: longest context in tokens, capped by the model's positions and the KV cache.
         num_blocks: KV blocks allocated.
         num_lookahead_tokens: KV slots the scheduler reserves after a request's last token for drafts.
         kv_cache_dtype: the KV cache's storage dtype name (``"bfloat16"``, ``"int8"``, ...).
-        bytes_per_block: bytes one KV block takes over all layers (scales and a draft model's cache included).
+        bytes_per_block: bytes one KV block takes over all layers of one tensor-parallel rank (scales and a draft
+            model's cache included).
     """
 
     hf_config: Any
@@ -38,6 +42,17 @@ class WorkerInfo:
     bytes_per_block: int
 
 
+def combine_infos(infos: list[WorkerInfo], parallel: Any) -> WorkerInfo:
+    """The engine's view of every rank's info (by rank, ``parallel`` a :class:`~kilat.config.ParallelConfig`): the
+    output rank's, with the fewest KV blocks any rank has (ranks may size their caches apart: CUDA profiling), and
+    weight and KV sizes added up over the pipeline stages (tensor-parallel rank 0 of each)."""
+    stages = infos[::parallel.tensor_parallel_size]
+    return dataclasses.replace(infos[parallel.output_rank], num_blocks=min(i.num_blocks for i in infos),
+                               weight_bytes=sum(i.weight_bytes for i in stages),
+                               kv_bytes_per_token=sum(i.kv_bytes_per_token for i in stages),
+                               bytes_per_block=sum(i.bytes_per_block for i in stages))
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited, or one of several tensor-parallel ranks raised (the others may wait in a
     collective forever): the engine cannot go on (served, the engine-core process exits and the frontend
@@ -47,29 +62,48 @@ class WorkerDiedError(RuntimeError):
 class Executor(ABC):
     """Runs the model's workers and hands each step to them (vLLM's ``Executor``).
 
+    A step is :meth:`submit` then :meth:`collect`; up to :attr:`max_concurrent_batches` steps may be submitted
+    before the oldest is collected (pipeline parallelism keeps one per stage in flight), and outputs come back
+    in submission order.
+
     Args:
         config: validated engine configuration.
 
     Attributes:
         info: what the output worker reported once the model was loaded.
+        max_concurrent_batches: steps that may be in flight at once (1: each is collected before the next).
 
     Raises:
         ValueError: an invalid model or configuration found while loading, as the model runner raises it.
     """
 
     info: WorkerInfo
+    max_concurrent_batches: int = 1
 
     def __init__(self, config: EngineConfig):
         self.config = config
 
     @abstractmethod
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; return the output worker's result.
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Hand one step to the workers (:meth:`collect` returns its output).
+
+        Raises:
+            WorkerDiedError: the workers are gone or unusable.
+        """
+
+    @abstractmethod
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step not yet collected (waits for it).
 
         Raises:
             WorkerDiedError: a worker process is gone, or (several ranks) one raised: the engine cannot go on.
             Exception: the step raised in the one worker (its requests fail; the engine goes on).
         """
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; return the output worker's result (:meth:`submit`, :meth:`collect`)."""
+        self.submit(sched)
+        return self.collect()
 
     @abstractmethod
     def shutdown(self) -> None:

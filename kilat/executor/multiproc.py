@@ -3,18 +3,22 @@
 Protocol (every message pickled):
 
 1. The executor binds an XPUB socket (the broadcast) and a PULL socket (the replies) on IPC addresses in a
-   private temporary directory and starts one worker per rank (``tensor_parallel_size``) as a fresh interpreter
+   private temporary directory and starts one worker per rank (``tensor_parallel_size x
+   pipeline_parallel_size``) as a fresh interpreter
    (:func:`kilat.child_process.python_command`, since the engine-core process is daemonic and may not start
    ``multiprocessing`` children) running :func:`worker_main` with its rank and both addresses.
 2. Each worker connects a SUB and a PUSH socket. The executor waits until every worker's subscription has
    arrived (``XPUB_VERBOSE`` reports each one), so that nothing it broadcasts later is lost, then broadcasts
-   the :class:`~kilat.config.EngineConfig` and the tensor-parallel group's rendezvous (a free loopback port).
-3. Each worker joins the group, loads its part of the model and replies ``(rank, True, WorkerInfo)`` or
-   ``(rank, False, exception)``; the engine gets rank 0's info with the fewest KV blocks any rank has.
+   the :class:`~kilat.config.EngineConfig` and the ranks' rendezvous (a free loopback port).
+3. Each worker joins the ranks, loads its part of the model and replies ``(rank, True, WorkerInfo)`` or
+   ``(rank, False, exception)``; the engine gets the output rank's info (``ParallelConfig.output_rank``) with the
+   fewest KV blocks any rank has.
 4. A call is one broadcast ``(method, args)``, e.g. ``("execute_model", (sched,))``: the step's
    :class:`~kilat.core.scheduler_output.SchedulerOutput` is pickled once for all workers. Each worker replies
-   ``(rank, True, result)`` (rank 0's result is the output; the others send ``None``) or
-   ``(rank, False, exception)``, which the executor raises.
+   ``(rank, True, result)`` (the output rank's result is the output; the others send ``None``) or
+   ``(rank, False, exception)``, which the executor raises. With pipeline parallelism up to
+   ``pipeline_parallel_size`` steps are broadcast before the oldest one's replies are collected; each worker
+   replies in step order, so the executor keeps a queue of replies per rank.
 5. ``None`` asks the workers to exit.
 
 Failure rules: while it waits for replies the executor checks every :data:`_POLL_MS` that each worker is
@@ -39,6 +43,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import zmq
@@ -46,7 +51,7 @@ import zmq
 from kilat.child_process import exit_with_parent, python_command
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kilat.executor.abstract import Executor, WorkerDiedError
+from kilat.executor.abstract import Executor, WorkerDiedError, combine_infos
 
 logger = logging.getLogger("kilat")
 
@@ -55,10 +60,6 @@ _POLL_MS = 100
 
 _EXIT_TIMEOUT_S = 5.0
 """Seconds the workers get to exit after the shutdown message before they are killed."""
-
-_OUTPUT_RANK = 0
-"""The rank whose result is the step's output."""
-
 
 def _dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -73,6 +74,7 @@ class MultiprocExecutor(Executor):
 
     Attributes:
         workers: the worker processes, by rank.
+        max_concurrent_batches: ``pipeline_parallel_size``.
 
     Raises:
         ValueError: as :class:`~kilat.executor.worker.Worker`, raised again here (the workers are stopped).
@@ -82,6 +84,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.world_size = config.parallel.world_size
+        self.output_rank = config.parallel.output_rank
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        self._replies_by_rank: list[deque[Any]] = [deque() for _ in range(self.world_size)]
         self._dir = tempfile.mkdtemp(prefix="kilat-mp-")
         broadcast_address, reply_address = f"ipc://{self._dir}/broadcast", f"ipc://{self._dir}/replies"
         self._ctx = zmq.Context()
@@ -105,8 +110,7 @@ class MultiprocExecutor(Executor):
             self._wait_subscribed()
             self._broadcast.send(_dumps((config, f"tcp://127.0.0.1:{_free_port()}")))
             infos = self._gather()
-            # ranks may size their caches apart (CUDA profiling): every rank has the blocks the smallest has
-            self.info = dataclasses.replace(infos[_OUTPUT_RANK], num_blocks=min(i.num_blocks for i in infos))
+            self.info = combine_infos(infos, config.parallel)
             self._loaded[0] = True
         except BaseException:
             self.shutdown()
@@ -130,41 +134,52 @@ class MultiprocExecutor(Executor):
                 self._check_alive()
 
     def _gather(self) -> list[Any]:
-        """Every worker's reply to the last broadcast, by rank.
+        """Every worker's reply to the oldest broadcast not yet gathered, by rank.
 
         Raises:
             WorkerDiedError: a worker exited before it replied, or (several ranks, after loading) raised.
             Exception: the exception a worker raised (the first reply that carries one).
         """
-        replies: dict[int, Any] = {}
-        while len(replies) < len(self.workers):
+        queues = self._replies_by_rank
+        while not all(queues):
             if not self._replies.poll(_POLL_MS):
                 self._check_alive()
                 continue
             rank, ok, payload = pickle.loads(self._replies.recv())
             if ok:
-                replies[rank] = payload
+                queues[rank].append(payload)
             elif self.world_size > 1 and self._loaded[0]:
                 # the other ranks may wait forever in a collective the failed one never joins
                 raise WorkerDiedError(f"worker rank {rank} failed ({type(payload).__name__}: {payload}); the "
-                                      f"tensor-parallel ranks are out of step") from payload
+                                      f"model's ranks are out of step") from payload
             else:  # while loading, the other ranks may wait for this one in the group's rendezvous: do not wait
                 raise payload
-        return [replies[rank] for rank in range(len(self.workers))]
+        return [queue.popleft() for queue in queues]
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Broadcast the step and return rank 0's output.
-
-        Raises:
-            WorkerDiedError: as :meth:`_gather`, and for every call after one that left the workers in an unknown
-                state (a fatal error, or an interrupt while waiting: replies of the old step may still come).
-            Exception: the exception the one worker raised (``tensor_parallel_size`` 1; the engine goes on).
-        """
+    def _check_usable(self) -> None:
         if self._broken is not None:
             raise WorkerDiedError(f"the workers are unusable: {self._broken}")
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Broadcast the step (its replies are read by :meth:`collect`).
+
+        Raises:
+            WorkerDiedError: after a call that left the workers in an unknown state (a fatal error, or an
+                interrupt while waiting: replies of an old step may still come).
+        """
+        self._check_usable()
         self._broadcast.send(_dumps(("execute_model", (sched,))))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output rank's result of the oldest submitted step.
+
+        Raises:
+            WorkerDiedError: as :meth:`_gather`, and as :meth:`submit`.
+            Exception: the exception the one worker raised (one rank; the engine goes on).
+        """
+        self._check_usable()
         try:
-            return self._gather()[_OUTPUT_RANK]
+            return self._gather()[self.output_rank]
         except BaseException as e:
             if isinstance(e, WorkerDiedError):
                 self._broken = str(e)
@@ -199,7 +214,7 @@ def _stop_workers(workers: list[subprocess.Popen], ctx: zmq.Context, broadcast: 
 
 
 def _free_port() -> int:
-    """A TCP port on the loopback interface that is free now (the tensor-parallel group's rendezvous)."""
+    """A TCP port on the loopback interface that is free now (the ranks' rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -252,7 +267,7 @@ def worker_main(rank: int, broadcast_address: str, reply_address: str) -> None:
                 logger.exception("worker rank %d: %s failed", rank, method)
                 _reply(push, rank, False, e)
                 continue
-            _reply(push, rank, True, result if rank == _OUTPUT_RANK else None)
+            _reply(push, rank, True, result if rank == config.parallel.output_rank else None)
     finally:
         sub.close(linger=0)
         push.close(linger=1000)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kilat.executor.abstract import Executor
@@ -9,7 +11,8 @@ from kilat.executor.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    """Runs one :class:`Worker` in this process: a step is a function call (vLLM's ``UniProcExecutor``).
+    """Runs one :class:`Worker` in this process: a step is a function call (vLLM's ``UniProcExecutor``), made when
+    the step is collected (so a failure surfaces at :meth:`collect`).
 
     Args:
         config: validated engine configuration.
@@ -22,9 +25,13 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config)
         self.info = self.worker.info
+        self._submitted: deque[SchedulerOutput] = deque()
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
+    def submit(self, sched: SchedulerOutput) -> None:
+        self._submitted.append(sched)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.worker.execute_model(self._submitted.popleft())
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and dies with this process."""

@@ -1,69 +1,62 @@
-"""One rank's worker: joins the tensor-parallel group, then holds that rank's model runner."""
+"""One rank's worker: joins the ranks of the model (tensor-parallel group, pipeline stage), then holds that rank's
+model runner."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 
 import torch
 
 from kilat.bench.mbu import kv_bytes_per_token, weight_bytes
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kilat.distributed.parallel_state import init_tensor_parallel
+from kilat.distributed.parallel_state import init_distributed
 from kilat.executor.abstract import WorkerInfo
+from kilat.model_executor.cpu_threads import take_cpu_share
 from kilat.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger("kilat")
 
 
-def _split_cpu_cores(config: EngineConfig, rank: int) -> EngineConfig:
-    """Give rank ``rank`` its own contiguous share of this process's CPU cores (``os.sched_setaffinity``), so
-    that the ranks' torch threads do not take each other's cores; with fewer cores than ranks, one thread
-    each. Returns ``config`` with ``num_threads`` set for the latter case."""
-    world = config.parallel.world_size
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // world
-    if share == 0:
-        logger.warning("tensor parallel: %d ranks on %d cores; one thread each, unpinned", world, len(cores))
-        return dataclasses.replace(config, num_threads=1)
-    mine = cores[rank * share:(rank + 1) * share]
-    os.sched_setaffinity(0, mine)
-    num_threads = None if config.num_threads is None else min(config.num_threads, share)
-    logger.info("tensor parallel: rank %d runs on CPU cores %s", rank, mine)
-    return dataclasses.replace(config, num_threads=num_threads)
-
-
 class Worker:
     """Loads the model and its KV cache on one rank and runs the steps sent to it (vLLM's ``Worker``).
 
-    With several ranks it first joins the tensor-parallel group (:func:`init_tensor_parallel`), takes its share
-    of the CPU cores (or its GPU), and seeds torch's generator with ``ModelConfig.seed``: every rank samples
-    from the same gathered logits with the same random numbers, so all keep the same tokens.
+    With several ranks it first joins them (:func:`init_distributed`), takes its share of the CPU cores (or its
+    GPU), and seeds torch's generator with ``ModelConfig.seed``: every tensor-parallel rank of the last stage
+    samples from the same gathered logits with the same random numbers, so all keep the same tokens.
 
     Args:
         config: validated engine configuration.
-        rank: this worker's tensor-parallel rank.
+        rank: this worker's global rank (:class:`~kilat.config.ParallelConfig` numbers them).
         distributed_init_method: the group's rendezvous (``tcp://host:port``); unused for one rank.
+        device_index: the CUDA device this rank takes (default: its rank; Ray makes the one GPU it grants an
+            actor device 0).
 
     Raises:
         ValueError: as :class:`~kilat.model_executor.model_runner.ModelRunner` (model, KV cache size), or a
-            model that ``tensor_parallel_size`` cannot split (heads, features).
+            model that ``tensor_parallel_size`` cannot split (features).
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None):
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
+                 device_index: int | None = None):
         self.rank = rank
         world = config.parallel.world_size
         device = torch.device(config.device)
         if world > 1:
             if device.type == "cuda":
-                torch.cuda.set_device(rank)
+                torch.cuda.set_device(rank if device_index is None else device_index)
             else:
-                config = _split_cpu_cores(config, rank)
+                config = take_cpu_share(config, rank, world, "rank")
             torch.manual_seed(config.model.seed)
-            init_tensor_parallel(rank, world, distributed_init_method or "", device)
+            parallel = config.parallel
+            init_distributed(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                             distributed_init_method or "", device)
         self.runner = ModelRunner(config)
+        if world > 1:
+            info = self.info
+            logger.info("rank %d of %d: %.1f MiB of weights (read per decode step), a %.1f MiB KV cache (%d blocks)",
+                        rank, world, info.weight_bytes / 2**20, info.bytes_per_block * info.num_blocks / 2**20,
+                        info.num_blocks)
 
     @property
     def info(self) -> WorkerInfo:

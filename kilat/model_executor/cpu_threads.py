@@ -14,12 +14,14 @@ client's load stays under :data:`HOLD_CORES`: neither holds a core against kilat
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import math
 import os
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -35,6 +37,24 @@ SUSTAIN_S = 3.0
 """Seconds a foreign load must hold a core before a thread is dropped (a spike does not). Measurements are
 weighted by the time they span: one that covers an idle spell of the engine (nothing runs, nothing is
 measured) counts for all of it, so a neighbour that started while kilat was idle is met at the first step."""
+
+
+def take_cpu_share(config: Any, index: int, parts: int, what: str) -> Any:
+    """Pin this process (and the threads and processes it starts later) to share ``index`` of ``parts``
+    contiguous shares of its CPU cores (``os.sched_setaffinity``, ``cores // parts`` each), so that ``parts``
+    processes do not take each other's cores; with fewer cores than parts, leave it unpinned with one thread.
+    ``what`` names a part in the log (``"rank"``). Returns the engine config ``config`` with ``num_threads``
+    capped at the share (1 when unpinned)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // parts
+    if share == 0:
+        logger.warning("%d %ss on %d CPU cores; one thread each, unpinned", parts, what, len(cores))
+        return dataclasses.replace(config, num_threads=1)
+    mine = cores[index * share:(index + 1) * share]
+    os.sched_setaffinity(0, mine)
+    logger.info("%s %d of %d runs on CPU cores %s", what, index, parts, mine)
+    num_threads = None if config.num_threads is None else min(config.num_threads, share)
+    return dataclasses.replace(config, num_threads=num_threads)
 
 
 def available_cores() -> int:

@@ -4,6 +4,11 @@ Owns the model, the paged KV cache tensors, the sampler, the speculative-decodin
 every request it holds (:class:`CachedRequestState`), kept from the scheduler's data alone. Input tensors are
 built once per step: ``input_ids`` / ``positions`` int64 ``[num_scheduled_tokens]`` and the shared
 ``AttentionMetadata``.
+
+Under pipeline parallelism every stage's runner gets the same steps and keeps the same request states: a stage
+after the first receives the previous stage's hidden states instead of embedding, a stage before the last sends
+its own on and returns an empty output; only the last samples, proposes drafts and computes logprobs, and the
+others learn the sampled tokens from the scheduler (``CachedRequestData.new_token_ids``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kilat.distributed.parallel_state import get_pp_group, recv_from_prev_stage, send_to_next_stage
 from kilat.model_executor.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -57,7 +63,8 @@ class ModelRunner:
         draft_model: the speculative-decoding draft model (method ``draft_model``), or ``None``.
         draft_kv_caches, draft_kv_scales: its KV cache (in the same ``kv_cache_dtype``) and scales, with the
             target's block ids and block size, or ``None``.
-        proposer: the speculative-decoding proposer (``speculative_config``), or ``None``.
+        proposer: the speculative-decoding proposer (``speculative_config``; on the last pipeline stage), or
+            ``None``.
         num_lookahead_tokens: KV slots the scheduler reserves after a request's last token for the proposer's
             drafts (0 without a draft model).
         requests: request id → this runner's state of it, from its first scheduling until it finishes.
@@ -67,6 +74,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.threads = ThreadGovernor(config.num_threads, config.frontend_pid) if self.device.type == "cpu" else None
+        self.pp = get_pp_group()
         self.model, self.hf_config, self.dtype = get_model(config.model, self.device)
         self.attn_backend = get_attention_backend(resolve_attention_backend(
             config.execution.attention_backend, self.device, config.cache.kv_cache_dtype, self.dtype))
@@ -98,13 +106,14 @@ class ModelRunner:
             self._allocate_kv(self.draft_model, self.num_blocks)
         self.sampler = Sampler()
         self.cuda_graphs = None
-        if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager:
+        if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager \
+                and self.pp.world_size == 1:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
                                                self.device, self.kv_scales)
         self.requests: dict[str, CachedRequestState] = {}
         spec = config.speculative
-        self.proposer: Proposer | None = None if spec is None else build_proposer(spec, self)
+        self.proposer: Proposer | None = None if spec is None or not self.pp.is_last else build_proposer(spec, self)
         self.num_lookahead_tokens = self.proposer.num_lookahead_tokens if self.proposer is not None else 0
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
@@ -164,12 +173,15 @@ class ModelRunner:
                                        self.block_size, self.device)
         caches, scales = self._allocate_kv(self.model, -(-num_tokens // self.block_size))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        intermediate = None if self.pp.is_first else \
+            torch.zeros(2, num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         with torch.inference_mode(), set_forward_context(self.context(meta, caches, scales)):
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), intermediate)
             spec = self.config.speculative
             rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # verified drafts
             rows = min(num_tokens, self.config.scheduler.max_num_seqs * rows_per_seq)
-            self.model.compute_logits(hidden[:rows])
+            if self.pp.is_last:
+                self.model.compute_logits(hidden[:rows])
         del hidden
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, scales
@@ -191,7 +203,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(new)
         cached = sched.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            self.requests[rid].update(cached, i)
+            self.requests[rid].update(cached, i, append_new_tokens=not self.pp.is_last)
         for rid in sched.num_scheduled_tokens:
             self.requests[rid].set_scheduled_drafts(sched.scheduled_spec_decode_tokens.get(rid, []))
 
@@ -203,6 +215,8 @@ class ModelRunner:
         A request's scheduled tokens past its known ones are its draft tokens
         (``sched.scheduled_spec_decode_tokens``), which are verified (:mod:`kilat.spec_decode.rejection`).
         Each sampling request's new tokens are the accepted drafts then one sampled token.
+
+        Before the last pipeline stage, the step's hidden states go to the next stage and the output is empty.
 
         Raises:
             RuntimeError: ``sched.structured_output_request_ids`` does not name the requests that sample.
@@ -246,8 +260,13 @@ class ModelRunner:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+            intermediate = None if self.pp.is_first else recv_from_prev_stage(
+                (2, len(input_ids), self.hf_config.hidden_size), self.dtype, self.device)
             with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
-                hidden = self.model(ids_t, pos_t)
+                hidden = self.model(ids_t, pos_t, intermediate)
+        if not self.pp.is_last:
+            send_to_next_stage(hidden)
+            return result
         for request, row0, pos_from, count in prompt_lp:
             result.prompt_logprobs[request.request_id] = self._prompt_logprobs(
                 request, hidden[row0:row0 + count], pos_from)

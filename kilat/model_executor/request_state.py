@@ -54,10 +54,13 @@ class CachedRequestState(TokenSequence):
         self.draft_num_computed = new.num_computed_tokens  # cached blocks hold a draft model's KV too
         self.num_prompt_logprobs = 0
 
-    def update(self, cached: CachedRequestData, i: int) -> None:
-        """Apply row ``i`` of ``cached`` (this request's changes since its last step)."""
+    def update(self, cached: CachedRequestData, i: int, append_new_tokens: bool = False) -> None:
+        """Apply row ``i`` of ``cached`` (this request's changes since its last step); with ``append_new_tokens``
+        (a pipeline stage that does not sample) also record the tokens sampled since."""
         new_blocks = cached.new_block_ids[i]
         self.num_computed_tokens = cached.num_computed_tokens[i]
+        if append_new_tokens:
+            self.append_tokens(cached.new_token_ids[i])
         if cached.resumed_from_preemption[i]:
             self.block_ids = list(new_blocks)
             self.draft_num_computed = self.num_computed_tokens

@@ -416,7 +416,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
     if engine_args.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: kilat serve needs a tokenizer (the OpenAI API takes and returns "
                          "text); use it offline with token-id prompts")
-    stat_logger = PrometheusStatLogger()
+    stat_logger = PrometheusStatLogger(engine_args.data_parallel_size)
     # SIGTERM must unwind (and so stop the engine core), not kill outright: while the model loads, and when
     # uvicorn re-raises it after its graceful shutdown.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

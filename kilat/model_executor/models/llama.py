@@ -5,6 +5,11 @@ embeddings and a SwiGLU MLP. Variants differ only in switches read from the HF c
 subclasses below: q/k/v biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), an explicit
 ``head_dim``, sliding-window attention (Mistral), tied or separate ``lm_head``. Batching lives in the
 attention layer's forward context, never in this file.
+
+Under pipeline parallelism a stage builds only its own range of decoder layers (:func:`pp_layer_range`; the
+others are empty placeholders so that names keep their indices), the embedding only on the first stage (and on
+the last when ``lm_head`` is tied to it), the final norm and ``lm_head`` only on the last, and skips the other
+stages' checkpoint tensors while loading.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kilat.distributed.parallel_state import get_pp_group
 from kilat.model_executor.attention import Attention
 from kilat.model_executor.layers import (
     ColumnParallelLinear,
@@ -53,6 +59,14 @@ def _num_kv_heads(config: PretrainedConfig) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def pp_layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """The decoder layers ``[start, end)`` of pipeline stage ``stage`` of ``num_stages``: contiguous, as even as
+    possible, the leftover layers one each to the first stages (the last stage also computes the logits)."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (stage < extra)
+
+
 def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     """The layer's attention window: ``config.sliding_window`` on all layers (Mistral), or only on the
     layers that ``config.layer_types`` marks ``"sliding_attention"`` (Qwen2/Qwen3)."""
@@ -70,7 +84,7 @@ class LlamaAttention(nn.Module):
     ranks' outputs (:class:`RowParallelLinear`).
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool, qk_norm: bool,
                  dtype: torch.dtype | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
@@ -86,7 +100,7 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+        self.attn = Attention(cache_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               _sliding_window(config, layer_idx))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -126,16 +140,19 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is carried separately so each norm fuses its add.
 
+    ``layer_idx`` is the layer's index in the model (names, window pattern), ``cache_idx`` its KV cache's index
+    among this pipeline stage's layers.
+
     After loading, a layer whose projections are packed quantized weights on the CPU also holds ``fused``, the same
     computation as one C++ op (:class:`FusedDecoderLayer`), which :class:`LlamaModel` runs on decode-only steps.
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool, qk_norm: bool,
                  dtype: torch.dtype | None, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype, quant_config,
+        self.self_attn = LlamaAttention(config, layer_idx, cache_idx, qkv_bias, qk_norm, dtype, quant_config,
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
@@ -161,32 +178,61 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule): this pipeline stage's part of them.
+
+    Attributes:
+        start_layer, end_layer: the decoder layers ``[start, end)`` this stage holds (all without a pipeline);
+            ``layers[i]`` outside them is an empty ``nn.Module``.
+        embed_tokens: the embedding table, or ``None`` on a stage that neither embeds nor ties ``lm_head`` to it.
+        norm: the final norm, or ``None`` before the last stage.
+    """
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype, quant_config)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        pp = get_pp_group()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) \
+            if pp.is_first or (pp.is_last and tied) else None
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.world_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, i - self.start_layer, qkv_bias, qk_norm, dtype, quant_config)
+            if self.start_layer <= i < self.end_layer else nn.Module() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
         inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, inv_freq,
                                           attention_scaling, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """int64 ``input_ids [T]``, ``positions [T]`` -> final-normed hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers on a flattened batch.
+
+        Args:
+            input_ids: int64 ``[T]`` (read on the first stage only).
+            positions: int64 ``[T]``.
+            intermediate: after the first stage, the previous stage's output ``[2, T, hidden]`` (hidden states
+                and residual stream).
+
+        Returns:
+            On the last stage the final-normed hidden states ``[T, hidden]``, before it ``[2, T, hidden]`` for
+            the next stage.
+        """
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
         cos, sin = self.rotary_emb(positions)
-        residual = None
+        layers = self.layers[self.start_layer:self.end_layer]
         batch: DecodeBatch | None = None
-        if any(layer.fused is not None for layer in self.layers):
+        if any(layer.fused is not None for layer in layers):
             batch = decode_batch(x)
-        for layer in self.layers:  # a fused layer and its Python forward give the same (x, residual)
+        for layer in layers:  # a fused layer and its Python forward give the same (x, residual)
             if batch is not None and layer.fused is not None:
                 x, residual = layer.fused(x, residual, cos, sin, batch)
             else:
                 x, residual = layer(x, residual, cos, sin)
+        if self.norm is None:
+            return torch.stack([x, residual])
         x, _ = self.norm(x, residual)
         return x
 
@@ -203,8 +249,9 @@ class LlamaForCausalLM(nn.Module):
         quant_config: how the linear layers hold their weights (``None``: dense in ``dtype``).
 
     Attributes:
-        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer (``num_kv_heads``:
-            this tensor-parallel rank's).
+        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer (``num_layers``: this
+            pipeline stage's; ``num_kv_heads``: this tensor-parallel rank's).
+        lm_head: the output projection, or ``None`` before the last pipeline stage.
     """
 
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
@@ -216,24 +263,28 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype, quant_config)
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype, quant_config) \
+            if get_pp_group().is_last else None
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.num_layers = self.model.end_layer - self.model.start_layer
+        self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
         self.head_dim = _head_dim(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run the decoder on a flattened batch.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder (this pipeline stage's layers) on a flattened batch.
 
         Args:
             input_ids: int64 ``[T]`` new tokens of all requests, in the metadata's request order.
             positions: int64 ``[T]`` their positions in their sequences (``< max_position_embeddings``).
+            intermediate: the previous pipeline stage's output ``[2, T, hidden_size]``, after the first stage.
 
         Returns:
-            Final-normed hidden states ``[T, hidden_size]`` in the model dtype.
+            Final-normed hidden states ``[T, hidden_size]`` in the model dtype; before the last stage, hidden
+            states and residual ``[2, T, hidden_size]`` for the next.
         """
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (all of them on every rank)."""
@@ -248,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
         parameter dtype; a quantized checkpoint's ``qweight``/``scales``/... or GGUF blocks are the method's own);
         the embedding table goes to ``VocabParallelEmbedding.load_weight`` (dense, or a quantized ``QuantWeight``
         that a tied ``lm_head`` then shares); others are copied into the parameter.
-        Rotary ``inv_freq`` buffers and, for tied models, ``lm_head.weight`` are ignored.
+        Rotary ``inv_freq`` buffers, for tied models ``lm_head.weight``, and the tensors of modules that other
+        pipeline stages hold are ignored.
 
         Raises:
             ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
@@ -266,7 +318,8 @@ class LlamaForCausalLM(nn.Module):
 
         loaded, unexpected = set(), []
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
+            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight") \
+                    or self._on_other_stage(name):
                 continue
             module_name, _, attr = name.rpartition(".")
             parent, _, leaf = module_name.rpartition(".")
@@ -288,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
                 params[target].data.copy_(tensor)
             loaded.add((target, shard))
 
-        if self.tie_word_embeddings and self.model.embed_tokens.qweight is not None:
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens.qweight is not None:
             self.lm_head.load_weight("weight", self.model.embed_tokens.qweight)  # shares the quantized table
         missing = sorted(f"{name}" + (f" (shard {shard})" if shard is not None else "")
                          for name, shard in expected - loaded)
@@ -296,6 +349,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match {type(self).__name__}: "
                              f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}, "
                              f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a module another pipeline stage holds."""
+        module = name.split(".")
+        if module[:2] == ["model", "layers"]:
+            return not self.model.start_layer <= int(module[2]) < self.model.end_layer
+        return (module[:2] == ["model", "embed_tokens"] and self.model.embed_tokens is None) or \
+            (module[:2] == ["model", "norm"] and self.model.norm is None) or \
+            (module[0] == "lm_head" and self.lm_head is None)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
