@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -53,6 +54,9 @@ def combine_infos(infos: list[WorkerInfo], parallel: Any) -> WorkerInfo:
                                bytes_per_block=sum(i.bytes_per_block for i in stages))
 
 
+T = TypeVar("T")
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited, or one of several tensor-parallel ranks raised (the others may wait in a
     collective forever): the engine cannot go on (served, the engine-core process exits and the frontend
@@ -82,6 +86,24 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._broken: str | None = None  # why the workers are in an unknown state, once they are
+
+    def _check_usable(self) -> None:
+        """Raise :class:`WorkerDiedError` after a call that left the workers in an unknown state."""
+        if self._broken is not None:
+            raise WorkerDiedError(f"the workers are unusable: {self._broken}")
+
+    def _wait_for(self, wait: Callable[[], T]) -> T:
+        """``wait()`` (a step's results), marking the workers unusable when it raises :class:`WorkerDiedError` or
+        is interrupted (``KeyboardInterrupt``: the step's results may still come, out of step with the next)."""
+        try:
+            return wait()
+        except BaseException as e:
+            if isinstance(e, WorkerDiedError):
+                self._broken = str(e)
+            elif not isinstance(e, Exception):
+                self._broken = f"interrupted ({type(e).__name__}) while waiting for a step"
+            raise
 
     @abstractmethod
     def submit(self, sched: SchedulerOutput) -> None:

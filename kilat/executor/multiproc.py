@@ -61,6 +61,7 @@ _POLL_MS = 100
 _EXIT_TIMEOUT_S = 5.0
 """Seconds the workers get to exit after the shutdown message before they are killed."""
 
+
 def _dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -99,7 +100,6 @@ class MultiprocExecutor(Executor):
         self._replies.bind(reply_address)
         self.workers: list[subprocess.Popen] = []
         self._loaded = [False]
-        self._broken: str | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._ctx, self._broadcast, self._dir,
                                            self._loaded)
         try:
@@ -156,10 +156,6 @@ class MultiprocExecutor(Executor):
                 raise payload
         return [queue.popleft() for queue in queues]
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise WorkerDiedError(f"the workers are unusable: {self._broken}")
-
     def submit(self, sched: SchedulerOutput) -> None:
         """Broadcast the step (its replies are read by :meth:`collect`).
 
@@ -178,14 +174,7 @@ class MultiprocExecutor(Executor):
             Exception: the exception the one worker raised (one rank; the engine goes on).
         """
         self._check_usable()
-        try:
-            return self._gather()[self.output_rank]
-        except BaseException as e:
-            if isinstance(e, WorkerDiedError):
-                self._broken = str(e)
-            elif not isinstance(e, Exception):  # KeyboardInterrupt: the step's replies may still come
-                self._broken = f"interrupted ({type(e).__name__}) while waiting for a step"
-            raise
+        return self._wait_for(self._gather)[self.output_rank]
 
     def shutdown(self) -> None:
         """Ask the workers to exit, kill those that have not within :data:`_EXIT_TIMEOUT_S` in all (at once while

@@ -103,7 +103,6 @@ class RayExecutor(Executor):
         self._remove_group = remove_placement_group
         self.actors: list[Any] = []
         self._pending: deque[list[Any]] = deque()
-        self._broken: str | None = None
         if self._started_ray:
             address = os.environ.get("RAY_ADDRESS")
             # a private cluster counts at least one CPU per rank (Ray's CPUs are reservations, not cores)
@@ -159,8 +158,7 @@ class RayExecutor(Executor):
         Raises:
             WorkerDiedError: after a call that left the actors in an unknown state.
         """
-        if self._broken is not None:
-            raise WorkerDiedError(f"the workers are unusable: {self._broken}")
+        self._check_usable()
         try:
             step = self._ray.put(sched)
             self._pending.append([a.execute_model.remote(step) for a in self.actors])
@@ -175,16 +173,8 @@ class RayExecutor(Executor):
             WorkerDiedError: as :meth:`_get`, and as :meth:`submit`.
             Exception: the exception the one actor raised (one rank; the engine goes on).
         """
-        if self._broken is not None:
-            raise WorkerDiedError(f"the workers are unusable: {self._broken}")
-        try:
-            return self._get(self._pending.popleft())[self.output_rank]
-        except BaseException as e:
-            if isinstance(e, WorkerDiedError):
-                self._broken = str(e)
-            elif not isinstance(e, Exception):
-                self._broken = f"interrupted ({type(e).__name__}) while waiting for a step"
-            raise
+        self._check_usable()
+        return self._wait_for(lambda: self._get(self._pending.popleft()))[self.output_rank]
 
     def shutdown(self) -> None:
         """Kill the actors, release the placement group, and stop Ray if this executor started it (each step even
