@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kilat.engine.dp_router import BALANCE_ABS_THRESHOLD, PrefixRouter, block_hashes
+from kilat.engine.dp_router import BALANCE_ABS_THRESHOLD, PrefixRouter
 
 SHARED = list(range(100, 132))  # two blocks of 16
 
@@ -18,13 +18,6 @@ def _router(num_engines: int = 2, num_blocks: int = 64) -> PrefixRouter:
     return router
 
 
-def test_block_hashes_chain_full_blocks_only():
-    hashes = block_hashes(list(range(40)), 16)
-    assert len(hashes) == 2
-    assert block_hashes(list(range(32)), 16) == hashes
-    assert block_hashes([99, *range(1, 40)], 16)[1] != hashes[1]  # a different first block changes every hash
-
-
 def test_shared_prefixes_stick_to_their_engine_and_new_ones_spread():
     router = _router()
     up = [True, True]
@@ -34,6 +27,16 @@ def test_shared_prefixes_stick_to_their_engine_and_new_ones_spread():
         router.load[0] += 1
         assert router.choose(SHARED + [suffix], up) == 0
     assert router.choose([8] * 40, up) == 1  # a new prefix goes to the least loaded engine
+
+
+def test_a_salted_prompt_does_not_follow_the_unsalted_prefix():
+    router = _router()
+    up = [True, True]
+    assert router.choose(SHARED + [1], up) == 0
+    router.load[0] += 1
+    assert router.choose(SHARED + [2], up, cache_salt="tenant-a") == 1  # no match under its salt: least loaded
+    router.load[1] += 2
+    assert router.choose(SHARED + [3], up, cache_salt="tenant-a") == 1  # its own salt's blocks are on 1
 
 
 def test_a_short_match_is_not_worth_it():

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +20,7 @@ from kilat.child_process import python_command
 from kilat.config import EngineArgs
 from kilat.core.scheduler_output import CachedRequestData, SchedulerOutput
 from kilat.executor.abstract import WorkerDiedError
+from kilat.executor.multiproc import MultiprocExecutor, _frame, _recv_message
 from tests.server_utils import pid_alive, worker_pids
 from tests.test_step_contract import contract_engine_kwargs, generate_mixed
 
@@ -98,3 +103,34 @@ def test_unknown_executor_backend_is_refused() -> None:
     with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of \['mp', 'ray', 'uni'\] or None, "
                                          r"got 'threads'"):
         EngineArgs(distributed_executor_backend="threads").create_engine_config()
+
+
+def test_a_large_step_and_a_large_reply_in_flight_together_do_not_deadlock():
+    """With steps in flight (pipeline parallelism) the executor may write a step larger than the socket's buffer
+    while the worker is blocked writing a reply larger than its own: the executor reads the reply while it
+    writes, where two blocking writes would wait on each other for ever."""
+    executor = object.__new__(MultiprocExecutor)
+    ours, theirs = socket.socketpair()
+    executor._socks, executor.world_size, executor._loaded = [ours], 1, [True]
+    executor._replies_by_rank = [deque()]
+    executor.workers = [SimpleNamespace(pid=0, poll=lambda: None)]
+    big = os.urandom(8 << 20)  # far above a Unix socket's buffer (~200 KiB)
+    received = []
+
+    def worker() -> None:
+        theirs.sendall(_frame((0, True, big)))  # blocks until the executor reads
+        received.append(_recv_message(theirs))
+
+    threading.Thread(target=worker, daemon=True).start()
+    time.sleep(0.2)
+    broadcast = threading.Thread(target=executor._broadcast, args=(("execute_model", (big,)),), daemon=True)
+    broadcast.start()
+    broadcast.join(30)
+    assert not broadcast.is_alive()
+    assert executor._gather() == [big]
+    deadline = time.monotonic() + 30
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert received == [("execute_model", (big,))]
+    ours.close()
+    theirs.close()

@@ -109,6 +109,27 @@ def test_completion_matches_offline_engine(server: Server, client: openai.OpenAI
     assert by_ids.choices[0].text == expected[0].text
 
 
+def test_cache_salt_separates_the_prefix_cache(client: openai.OpenAI) -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens`` per request: a salt reuses only its own blocks."""
+    prompt = "Kilat means lightning in Indonesian. " * 12
+
+    def run(salt: str | None, chat: bool) -> tuple[str, int]:
+        extra = {"cache_salt": salt} if salt else {}
+        if chat:
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=4, temperature=0, extra_body=extra)
+            text = r.choices[0].message.content
+        else:
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+            text = r.choices[0].text
+        return text, r.usage.prompt_tokens_details.cached_tokens
+
+    for chat in (False, True):
+        first, second, third = run("salt-a", chat), run("salt-b", chat), run("salt-a", chat)
+        assert first[1] == second[1] == 0 and third[1] >= 64
+        assert first[0] == second[0] == third[0]
+
+
 @pytest.mark.parametrize("content", [
     "Write a short poem about the sea.",
     "Translate to Chinese: I love my family.",
@@ -441,6 +462,9 @@ LONG_PROMPT = "hello " * 2100
         {"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 0},
      "parallel_tool_calls", "valid boolean"),
     ("/v1/completions", {"prompt": "x", "stream": 1}, "stream", "valid boolean"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt", "non-empty string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": 5}, "cache_salt",
+     "valid string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs",
      "valid boolean"),
 ])

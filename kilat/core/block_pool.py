@@ -11,8 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-BlockHash = tuple[int, tuple[int, ...]]
-"""Key of a full block in the prefix cache: (hash of the parent block's key, the block's token ids)."""
+from kilat.core.block_hash import BlockHash
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Per-request KV block lists on top of the :class:`BlockPool`, with automatic prefix caching.
 
-Full blocks are keyed by ``(hash(parent_key), block_token_ids)``, so a key names the whole prefix up to
+Full blocks are keyed by their content-addressed hash (:mod:`kilat.core.block_hash`: the parent's hash, the
+block's tokens and, on the first block, the request's ``cache_salt``), so a key names the whole prefix up to
 and including its block. A lookup never covers a request's last known token: its logits must be
 computed to sample the next token.
 """
 
 from __future__ import annotations
 
-from kilat.core.block_pool import BlockHash, BlockPool, KVBlock
+from kilat.core.block_hash import BlockHash, extend_block_hashes
+from kilat.core.block_pool import BlockPool, KVBlock
 from kilat.core.request import Request
 
 
@@ -47,12 +49,7 @@ class KVCacheManager:
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Keys of the request's full blocks, extended incrementally as its tokens grow."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        tokens = request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hash(hashes[-1]) if hashes else 0
-            hashes.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
-        return hashes
+        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def uses_prefix_cache(self, request: Request) -> bool:
         """Whether the request may reuse cached blocks: caching is on and it does not want prompt logprobs

@@ -264,7 +264,7 @@ class AsyncLLM:
         streams: list[RequestStream] = []
         try:
             for rid, text, ids, resolved, core_requests in processed:
-                rank = self.router.choose(ids, up) if len(self.engines) > 1 else 0
+                rank = self.router.choose(ids, up, core_requests[0].cache_salt) if len(self.engines) > 1 else 0
                 self.output_processor.add_request(rid, text, ids, resolved, core_requests)
                 streams.append(RequestStream(rid, self))
                 self._streams[rid] = streams[-1]

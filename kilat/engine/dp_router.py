@@ -2,9 +2,9 @@
 
 Each engine core keeps its own prefix cache, so a prompt whose prefix one engine has cached is cheaper there
 (SGLang's cache-aware router; vLLM's DP load balancer weighs only load). The router keeps, per engine, an
-approximate index of the prompt blocks it sent there: the chained hashes of each prompt's full blocks of
-``block_size`` tokens (the same cut as the engine's own prefix cache), least recently used first, at most as many
-as the engine has KV blocks (it cannot cache more). For a new request:
+approximate index of the prompt blocks it sent there: the hashes of each prompt's full blocks of ``block_size``
+tokens (the engine's own prefix-cache keys, :mod:`kilat.core.block_hash`, ``cache_salt`` included), least
+recently used first, at most as many as the engine has KV blocks (it cannot cache more). For a new request:
 
 1. The engine whose index holds the longest run of the prompt's leading block hashes is the candidate (ties: the
    less loaded).
@@ -21,18 +21,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kilat.core.block_hash import BlockHash, block_hashes
+
 BALANCE_ABS_THRESHOLD = 32
 """Most requests by which a prefix-cache candidate may exceed the least loaded engine's load (SGLang's router's
 default ``balance_abs_threshold``): beyond it, queueing behind the others costs more than recomputing the prefix."""
-
-
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained hashes of ``token_ids``' full blocks: block ``i``'s hash covers blocks ``0 .. i`` (a prefix)."""
-    hashes, parent = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
 
 
 class PrefixRouter:
@@ -52,7 +45,7 @@ class PrefixRouter:
         self.block_size = block_size
         self.cache_aware = cache_aware
         self.load = [0] * num_engines
-        self._index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
+        self._index: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_engines)]
         self._capacity = [0] * num_engines
         self._turn = 0
 
@@ -62,8 +55,9 @@ class PrefixRouter:
         self._index[engine].clear()
         self.load[engine] = 0
 
-    def choose(self, prompt_token_ids: list[int], up: list[bool]) -> int:
-        """The engine for a prompt, among those ``up``; its blocks are recorded in that engine's index.
+    def choose(self, prompt_token_ids: list[int], up: list[bool], cache_salt: str | None = None) -> int:
+        """The engine for a prompt (of a request with ``cache_salt``), among those ``up``; its blocks are recorded
+        in that engine's index.
 
         Raises:
             ValueError: no engine is up.
@@ -71,7 +65,7 @@ class PrefixRouter:
         engines = [e for e, ok in enumerate(up) if ok]
         if not engines:
             raise ValueError("no engine core is up")
-        hashes = block_hashes(prompt_token_ids, self.block_size) if self.cache_aware else []
+        hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt) if self.cache_aware else []
         matched = {e: self._matched(e, hashes) for e in engines}
         least = min(self.load[e] for e in engines)
         best = max(engines, key=lambda e: (matched[e], -self.load[e]))
@@ -82,7 +76,7 @@ class PrefixRouter:
         self._record(best, hashes)
         return best
 
-    def _matched(self, engine: int, hashes: list[int]) -> int:
+    def _matched(self, engine: int, hashes: list[BlockHash]) -> int:
         """How many leading blocks of a prompt the engine's index holds."""
         index = self._index[engine]
         count = 0
@@ -92,7 +86,7 @@ class PrefixRouter:
             count += 1
         return count
 
-    def _record(self, engine: int, hashes: list[int]) -> None:
+    def _record(self, engine: int, hashes: list[BlockHash]) -> None:
         """Mark a prompt's blocks as most recently used on ``engine``, evicting the least recently used beyond
         its KV blocks."""
         index = self._index[engine]

@@ -12,11 +12,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from kilat.core.block_hash import check_cache_salt
 from kilat.core.request import EngineCoreRequest
 from kilat.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
-"""A text prompt, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": list[int]}``."""
+"""A text prompt, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": list[int]}`` (vLLM's
+``TextPrompt`` / ``TokensPrompt``), optionally with ``"cache_salt": str`` (its prefix-cache blocks are shared only
+with requests of the same salt)."""
 
 MAX_LOGPROBS = 20
 """Most top logprobs a request may ask for (OpenAI's limit)."""
@@ -134,12 +137,18 @@ class InputProcessor:
         Core requests get engine-unique ids (``f"{request_id}#{k}"`` with a counter ``k``), so no caller id
         can collide with them. Completion ``i`` of an ``n > 1`` request is seeded ``seed + i`` when seeded;
         siblings reuse the first completion's prompt blocks.
+
+        Raises:
+            ValueError: as :meth:`to_token_ids`, :meth:`validate_params` and
+                :func:`~kilat.core.block_hash.check_cache_salt`.
         """
+        salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
         text, ids = self.to_token_ids(prompt, add_special_tokens)
         params = self.validate_params(params, len(ids))
         now = time.time()
         requests = [EngineCoreRequest(f"{request_id}#{next(self._core_ids)}", ids, params, self.eos_token_id,
-                                      now, parent_id=request_id, index=i) for i in range(params.n)]
+                                      now, parent_id=request_id, index=i, cache_salt=salt)
+                    for i in range(params.n)]
         return text, ids, params, requests
 
     def chat_template_call(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

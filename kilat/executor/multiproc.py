@@ -1,32 +1,36 @@
 """The multiprocess executor (``distributed_executor_backend="mp"``): each worker in a process of its own.
 
-Protocol (every message pickled):
+Protocol (every message pickled and framed by its length, an 8-byte big-endian prefix, on a connected Unix
+socket pair per worker):
 
-1. The executor binds an XPUB socket (the broadcast) and a PULL socket (the replies) on IPC addresses in a
-   private temporary directory and starts one worker per rank (``tensor_parallel_size x
-   pipeline_parallel_size``) as a fresh interpreter
-   (:func:`kilat.child_process.python_command`, since the engine-core process is daemonic and may not start
-   ``multiprocessing`` children) running :func:`worker_main` with its rank and both addresses.
-2. Each worker connects a SUB and a PUSH socket. The executor waits until every worker's subscription has
-   arrived (``XPUB_VERBOSE`` reports each one), so that nothing it broadcasts later is lost, then broadcasts
-   the :class:`~kilat.config.EngineConfig` and the ranks' rendezvous (a free loopback port).
-3. Each worker joins the ranks, loads its part of the model and replies ``(rank, True, WorkerInfo)`` or
+1. The executor makes one socket pair per rank (``tensor_parallel_size x pipeline_parallel_size``) and starts
+   each worker as a fresh interpreter (:func:`kilat.child_process.python_command`, since the engine-core process
+   is daemonic and may not start ``multiprocessing`` children) running :func:`worker_main` with its rank and its
+   end of the pair (passed with ``pass_fds``). It then sends every worker the
+   :class:`~kilat.config.EngineConfig` and the ranks' rendezvous (a free loopback port).
+2. Each worker joins the ranks, loads its part of the model and replies ``(rank, True, WorkerInfo)`` or
    ``(rank, False, exception)``; the engine gets the output rank's info (``ParallelConfig.output_rank``) with the
    fewest KV blocks any rank has.
-4. A call is one broadcast ``(method, args)``, e.g. ``("execute_model", (sched,))``: the step's
-   :class:`~kilat.core.scheduler_output.SchedulerOutput` is pickled once for all workers. Each worker replies
-   ``(rank, True, result)`` (the output rank's result is the output; the others send ``None``) or
-   ``(rank, False, exception)``, which the executor raises. With pipeline parallelism up to
+3. A call is one broadcast ``(method, args)``, e.g. ``("execute_model", (sched,))``: the step's
+   :class:`~kilat.core.scheduler_output.SchedulerOutput` is pickled once and written to every worker. Each
+   worker replies ``(rank, True, result)`` (the output rank's result is the output; the others send ``None``)
+   or ``(rank, False, exception)``, which the executor raises. With pipeline parallelism up to
    ``pipeline_parallel_size`` steps are broadcast before the oldest one's replies are collected; each worker
    replies in step order, so the executor keeps a queue of replies per rank.
-5. ``None`` asks the workers to exit.
+4. ``None`` (or the end of its socket) asks a worker to exit.
 
-Failure rules: while it waits for replies the executor checks every :data:`_POLL_MS` that each worker is
-alive, and raises :class:`~kilat.executor.abstract.WorkerDiedError` for one that is not (never a hang). With
-several ranks an exception in a step is fatal too: the other ranks may be waiting in a collective that the
-failed one will never join. A
-worker exits within a second of its parent's death (:func:`kilat.child_process.exit_with_parent`), so that
-neither a killed engine core nor a killed offline process leaves workers behind.
+Why socket pairs rather than ZMQ: a write to a socket pair wakes the reader's thread directly, where ZMQ hands
+each message to an I/O thread on both sides first; on a 2-vCPU host that is ~0.1-0.2 ms of wake-ups per step
+(docs/benchmarks.md, "Worker in its own process"). The executor never blocks writing while a worker may be
+blocked writing to it: while a broadcast does not fit in a socket's buffer, it reads the replies that arrive
+(the per-rank queues), so large steps and large replies in flight together cannot deadlock.
+
+Failure rules: a worker that exits closes its socket, which ends any wait for it at once with
+:class:`~kilat.executor.abstract.WorkerDiedError` (and the executor also checks every :data:`_POLL_MS` that each
+worker is alive: never a hang). With several ranks an exception in a step is fatal too: the other ranks may be
+waiting in a collective that the failed one will never join. A worker exits within a second of its parent's
+death (:func:`kilat.child_process.exit_with_parent`), so that neither a killed engine core nor a killed offline
+process leaves workers behind.
 """
 
 from __future__ import annotations
@@ -36,17 +40,15 @@ import dataclasses
 import logging
 import os
 import pickle
-import shutil
+import select
 import signal
 import socket
+import struct
 import subprocess
-import tempfile
 import time
 import weakref
 from collections import deque
 from typing import Any
-
-import zmq
 
 from kilat.child_process import exit_with_parent, python_command
 from kilat.config import EngineConfig
@@ -61,13 +63,44 @@ _POLL_MS = 100
 _EXIT_TIMEOUT_S = 5.0
 """Seconds the workers get to exit after the shutdown message before they are killed."""
 
+_HEADER = struct.Struct("!Q")
+"""A message's frame: its pickled length in bytes, then the pickle."""
 
-def _dumps(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+def _frame(message: Any) -> bytes:
+    """``message`` pickled, behind its length."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    """Exactly ``size`` bytes from ``sock`` (blocking).
+
+    Raises:
+        EOFError: the peer closed the socket first.
+    """
+    buffer = bytearray(size)
+    view, received = memoryview(buffer), 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise EOFError("the socket was closed")
+        received += count
+    return buffer
+
+
+def _recv_message(sock: socket.socket) -> Any:
+    """One framed message from ``sock`` (blocking), unpickled.
+
+    Raises:
+        EOFError: the peer closed the socket.
+    """
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    return pickle.loads(_recv_exact(sock, size))
 
 
 class MultiprocExecutor(Executor):
-    """Runs each worker in a process of its own and broadcasts every step to them over ZMQ (vLLM's
+    """Runs each worker in a process of its own and writes every step to each over a Unix socket pair (vLLM's
     ``MultiprocExecutor``; the module docstring gives the protocol and the failure rules).
 
     Args:
@@ -87,28 +120,19 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.world_size
         self.output_rank = config.parallel.output_rank
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
-        self._replies_by_rank: list[deque[Any]] = [deque() for _ in range(self.world_size)]
-        self._dir = tempfile.mkdtemp(prefix="kilat-mp-")
-        broadcast_address, reply_address = f"ipc://{self._dir}/broadcast", f"ipc://{self._dir}/replies"
-        self._ctx = zmq.Context()
-        self._broadcast = self._ctx.socket(zmq.XPUB)
-        self._broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every worker's subscription, not only the first
-        self._broadcast.setsockopt(zmq.SNDHWM, 0)  # never drop a message for a slow worker
-        self._broadcast.bind(broadcast_address)
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.setsockopt(zmq.RCVHWM, 0)
-        self._replies.bind(reply_address)
+        self._replies_by_rank: list[deque[tuple[bool, Any]]] = [deque() for _ in range(self.world_size)]
+        self._socks: list[socket.socket] = []
         self.workers: list[subprocess.Popen] = []
         self._loaded = [False]
-        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._ctx, self._broadcast, self._dir,
-                                           self._loaded)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._socks, self._loaded)
         try:
             for rank in range(self.world_size):
-                code = (f"from kilat.executor.multiproc import worker_main; "
-                        f"worker_main({rank}, {broadcast_address!r}, {reply_address!r})")
-                self.workers.append(subprocess.Popen(python_command(code)))
-            self._wait_subscribed()
-            self._broadcast.send(_dumps((config, f"tcp://127.0.0.1:{_free_port()}")))
+                ours, theirs = socket.socketpair()
+                self._socks.append(ours)
+                with theirs:
+                    code = f"from kilat.executor.multiproc import worker_main; worker_main({rank}, {theirs.fileno()})"
+                    self.workers.append(subprocess.Popen(python_command(code), pass_fds=[theirs.fileno()]))
+            self._broadcast((config, f"tcp://127.0.0.1:{_free_port()}"))
             infos = self._gather()
             self.info = combine_infos(infos, config.parallel)
             self._loaded[0] = True
@@ -124,47 +148,88 @@ class MultiprocExecutor(Executor):
             if (code := process.poll()) is not None:
                 raise WorkerDiedError(f"worker rank {rank} (pid {process.pid}) exited with code {code}")
 
-    def _wait_subscribed(self) -> None:
-        """Block until every worker's SUB socket has subscribed to the broadcast."""
-        subscribed = 0
-        while subscribed < len(self.workers):
-            if self._broadcast.poll(_POLL_MS):
-                subscribed += self._broadcast.recv()[:1] == b"\x01"
-            else:
-                self._check_alive()
+    def _read_reply(self, rank: int) -> None:
+        """Read one reply of ``rank`` into its queue (blocking until the whole reply is there).
+
+        Raises:
+            WorkerDiedError: the worker closed its socket (it exited), or (several ranks, after loading) its
+                reply carries an exception.
+            Exception: (several ranks, while loading) the exception its reply carries: the other ranks may wait
+                for it in the group's rendezvous, so nothing waits for them.
+        """
+        try:
+            _, ok, payload = _recv_message(self._socks[rank])
+        except (EOFError, ConnectionError) as e:
+            process = self.workers[rank]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(1.0)
+            raise WorkerDiedError(f"worker rank {rank} (pid {process.pid}) exited with code "
+                                  f"{process.poll()}") from e
+        if not ok and self.world_size > 1:
+            if self._loaded[0]:  # the other ranks may wait forever in a collective the failed one never joins
+                raise WorkerDiedError(f"worker rank {rank} failed ({type(payload).__name__}: {payload}); the "
+                                      f"model's ranks are out of step") from payload
+            raise payload
+        self._replies_by_rank[rank].append((ok, payload))
+
+    def _broadcast(self, message: Any) -> None:
+        """Write ``message`` to every worker. While a socket's buffer is full, read the replies that arrive (a
+        worker may be blocked writing one), so that this never waits on a worker that waits on it.
+
+        Raises:
+            WorkerDiedError: as :meth:`_read_reply`, or a worker's socket is closed.
+        """
+        data = memoryview(_frame(message))
+        sent = dict.fromkeys(range(self.world_size), 0)  # rank → bytes written, while not all are
+        while sent:
+            for rank in list(sent):
+                try:
+                    sent[rank] += self._socks[rank].send(data[sent[rank]:], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except ConnectionError as e:
+                    raise WorkerDiedError(f"worker rank {rank} (pid {self.workers[rank].pid}) closed its "
+                                          f"connection") from e
+                if sent[rank] == len(data):
+                    del sent[rank]
+            if sent:
+                readable, writable, _ = select.select(self._socks, [self._socks[rank] for rank in sent], [],
+                                                      _POLL_MS / 1000)
+                for sock in readable:
+                    self._read_reply(self._socks.index(sock))
+                if not readable and not writable:
+                    self._check_alive()
 
     def _gather(self) -> list[Any]:
         """Every worker's reply to the oldest broadcast not yet gathered, by rank.
 
         Raises:
-            WorkerDiedError: a worker exited before it replied, or (several ranks, after loading) raised.
-            Exception: the exception a worker raised (the first reply that carries one).
+            WorkerDiedError: as :meth:`_read_reply`, or a worker exited before it replied.
+            Exception: the exception the one worker raised (one rank).
         """
         queues = self._replies_by_rank
         while not all(queues):
-            if not self._replies.poll(_POLL_MS):
+            waiting = [self._socks[rank] for rank, queue in enumerate(queues) if not queue]
+            readable, _, _ = select.select(waiting, [], [], _POLL_MS / 1000)
+            for sock in readable:
+                self._read_reply(self._socks.index(sock))
+            if not readable:
                 self._check_alive()
-                continue
-            rank, ok, payload = pickle.loads(self._replies.recv())
-            if ok:
-                queues[rank].append(payload)
-            elif self.world_size > 1 and self._loaded[0]:
-                # the other ranks may wait forever in a collective the failed one never joins
-                raise WorkerDiedError(f"worker rank {rank} failed ({type(payload).__name__}: {payload}); the "
-                                      f"model's ranks are out of step") from payload
-            else:  # while loading, the other ranks may wait for this one in the group's rendezvous: do not wait
+        replies = [queue.popleft() for queue in queues]
+        for ok, payload in replies:
+            if not ok:
                 raise payload
-        return [queue.popleft() for queue in queues]
+        return [payload for _, payload in replies]
 
     def submit(self, sched: SchedulerOutput) -> None:
         """Broadcast the step (its replies are read by :meth:`collect`).
 
         Raises:
-            WorkerDiedError: after a call that left the workers in an unknown state (a fatal error, or an
-                interrupt while waiting: replies of an old step may still come).
+            WorkerDiedError: as :meth:`_broadcast`, or after a call that left the workers in an unknown state (a
+                fatal error, or an interrupt while waiting: replies of an old step may still come).
         """
         self._check_usable()
-        self._broadcast.send(_dumps(("execute_model", (sched,))))
+        self._wait_for(lambda: self._broadcast(("execute_model", (sched,))))
 
     def collect(self) -> ModelRunnerOutput:
         """The output rank's result of the oldest submitted step.
@@ -178,18 +243,18 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ask the workers to exit, kill those that have not within :data:`_EXIT_TIMEOUT_S` in all (at once while
-        they load), close the sockets and remove the socket directory. Idempotent; also done when the executor is
-        garbage-collected or the interpreter exits."""
+        they load) and close the sockets. Idempotent; also done when the executor is garbage-collected or the
+        interpreter exits."""
         self._finalizer()
 
 
-def _stop_workers(workers: list[subprocess.Popen], ctx: zmq.Context, broadcast: zmq.Socket, directory: str,
-                  loaded: list[bool]) -> None:
+def _stop_workers(workers: list[subprocess.Popen], socks: list[socket.socket], loaded: list[bool]) -> None:
     """:meth:`MultiprocExecutor.shutdown`, holding no reference to the executor (a ``weakref.finalize``
     callback). ``loaded`` is ``[True]`` once the workers have loaded the model (before, they read no message)."""
     if loaded[0] and any(p.poll() is None for p in workers):
-        with contextlib.suppress(zmq.ZMQError):
-            broadcast.send(_dumps(None))
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.send(_frame(None), socket.MSG_DONTWAIT)
         deadline = time.monotonic() + _EXIT_TIMEOUT_S
         for process in workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -198,8 +263,8 @@ def _stop_workers(workers: list[subprocess.Popen], ctx: zmq.Context, broadcast: 
         if process.poll() is None:
             process.kill()
             process.wait()
-    ctx.destroy(linger=0)
-    shutil.rmtree(directory, ignore_errors=True)
+    for sock in socks:
+        sock.close()
 
 
 def _free_port() -> int:
@@ -209,17 +274,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reply(sock: zmq.Socket, rank: int, ok: bool, payload: Any) -> None:
+def _reply(sock: socket.socket, rank: int, ok: bool, payload: Any) -> None:
     """Send one reply; an exception that does not pickle goes as a ``RuntimeError`` with its text."""
     try:
-        data = _dumps((rank, ok, payload))
+        data = _frame((rank, ok, payload))
     except Exception:
-        data = _dumps((rank, False, RuntimeError(f"{type(payload).__name__}: {payload}")))
-    sock.send(data)
+        data = _frame((rank, False, RuntimeError(f"{type(payload).__name__}: {payload}")))
+    sock.sendall(data)
 
 
-def worker_main(rank: int, broadcast_address: str, reply_address: str) -> None:
-    """A worker process's entry point: receive the config, load the model, then serve calls until ``None``.
+def worker_main(rank: int, fd: int) -> None:
+    """A worker process's entry point: receive the config, load the model, then serve calls until ``None`` or
+    the end of the socket.
+
+    Args:
+        rank: this worker's global rank.
+        fd: this worker's end of the socket pair the executor made for it.
 
     SIGINT is ignored (Ctrl-C reaches the whole process group; the engine decides when to stop), SIGTERM
     exits, and the process ends within a second of its parent's death. The CPU thread governor counts the
@@ -230,34 +300,22 @@ def worker_main(rank: int, broadcast_address: str, reply_address: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     exit_with_parent()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(broadcast_address)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(reply_address)
-    try:
-        config, distributed_init_method = pickle.loads(sub.recv())
+    with socket.socket(fileno=fd) as sock, contextlib.suppress(EOFError, ConnectionError):
+        config, distributed_init_method = _recv_message(sock)
         try:
             worker = Worker(dataclasses.replace(config, frontend_pid=config.frontend_pid or os.getppid()), rank,
                             distributed_init_method)
         except Exception as e:
             logger.exception("worker rank %d: loading failed", rank)
-            _reply(push, rank, False, e)
+            _reply(sock, rank, False, e)
             return
-        _reply(push, rank, True, worker.info)
-        while (message := pickle.loads(sub.recv())) is not None:
+        _reply(sock, rank, True, worker.info)
+        while (message := _recv_message(sock)) is not None:
             method, args = message
             try:
                 result = getattr(worker, method)(*args)
             except Exception as e:
                 logger.exception("worker rank %d: %s failed", rank, method)
-                _reply(push, rank, False, e)
+                _reply(sock, rank, False, e)
                 continue
-            _reply(push, rank, True, result if rank == config.parallel.output_rank else None)
-    finally:
-        sub.close(linger=0)
-        push.close(linger=1000)
-        ctx.term()
+            _reply(sock, rank, True, result if rank == config.parallel.output_rank else None)

@@ -60,6 +60,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (json, regex, choice, grammar,

@@ -158,16 +158,18 @@ class OpenAIServing:
         return f"{self.prefix}-{uuid.uuid4().hex}"
 
     async def start(self, response_id: str, prompts: list[PromptType], params: SamplingParams,
-                    add_special_tokens: bool, fields: set[str]) -> list[RequestStream]:
-        """Queue one engine request per prompt, all validated before any is queued.
+                    add_special_tokens: bool, fields: set[str], cache_salt: str | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt (each with ``cache_salt``, vLLM's request field: its prefix-cache
+        blocks are shared only with requests of the same salt), all validated before any is queued.
 
         Raises:
             APIError: 400 for an invalid prompt or parameter (the message names it and its limit),
                 503 when the engine is not running.
         """
         try:
-            return await self.engine.add_requests([(f"{response_id}-{i}", p) for i, p in enumerate(prompts)],
-                                                  params, add_special_tokens)
+            return await self.engine.add_requests(
+                [(f"{response_id}-{i}", _with_cache_salt(p, cache_salt)) for i, p in enumerate(prompts)], params,
+                add_special_tokens)
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from e
         except ValueError as e:
@@ -244,3 +246,12 @@ class EventStream:
 def created() -> int:
     """Seconds since the epoch, as OpenAI's ``created``."""
     return int(time.time())
+
+
+def _with_cache_salt(prompt: PromptType, cache_salt: str | None) -> PromptType:
+    """``prompt`` as a prompt dict that carries ``cache_salt`` (unchanged without one)."""
+    if cache_salt is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return prompt | {"cache_salt": cache_salt}
+    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
