@@ -134,6 +134,12 @@ class CacheConfig:
             scale per token and KV head), ``"fp8"`` / ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (float8 with the same
             scales). Fewer bytes per token, so more blocks fit; fp8 needs the CPU or, with the Triton backend,
             CUDA compute capability 8.9 or newer.
+        kv_offloading_size: GiB of the KV offload tier (vLLM's flag): full prefix-cache blocks that leave the
+            engine's cache are saved there, and a later prompt that starts with them loads them back instead of
+            recomputing them (``None``: no tier). Needs ``kv_offloading_path`` (the disk tier; a host-memory
+            tier for GPUs is not built yet) and prefix caching.
+        kv_offloading_path: directory of the disk tier (created if missing; its blocks survive restarts and are
+            shared by engines of the same model and KV layout).
     """
 
     block_size: int = 16
@@ -142,6 +148,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_offloading_size: float | None = None
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -154,6 +162,12 @@ class CacheConfig:
                "num_gpu_blocks_override", f"must be >= 2, got {self.num_gpu_blocks_override}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(self.kv_offloading_size is None or self.kv_offloading_size > 0, "kv_offloading_size",
+               f"must be > 0 GiB, got {self.kv_offloading_size}")
+        _check((self.kv_offloading_size is None) == (self.kv_offloading_path is None), "kv_offloading_size",
+               "and kv_offloading_path go together (the tier's size in GiB and its directory)")
+        _check(self.kv_offloading_size is None or self.enable_prefix_caching, "kv_offloading_size",
+               "needs enable_prefix_caching (the tier holds prefix-cache blocks)")
 
 
 @dataclass
@@ -426,6 +440,8 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    kv_offloading_size: float | None = CacheConfig.kv_offloading_size
+    kv_offloading_path: str | None = CacheConfig.kv_offloading_path
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
@@ -501,6 +517,8 @@ class EngineArgs:
                "pipeline_parallel_size 1 only")
         cache = build(CacheConfig)
         check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
+        _check(cache.kv_offloading_size is None or parallel.world_size == 1, "kv_offloading_size",
+               "runs with tensor_parallel_size and pipeline_parallel_size 1 only (for now)")
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
@@ -576,3 +594,8 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     frontend_pid: int | None = None
+
+    @property
+    def kv_connector_name(self) -> str | None:
+        """The KV connector this engine runs (:data:`kilat.kv_connector.base.KV_CONNECTORS`), or ``None``."""
+        return "OffloadingConnector" if self.cache.kv_offloading_size is not None else None

@@ -17,6 +17,7 @@ from kilat.core.scheduler_output import SchedulerOutput
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.executor import get_executor_class
 from kilat.executor.abstract import WorkerDiedError
+from kilat.kv_connector.base import KVCacheSpec, KVConnectorRole, create_kv_connector
 from kilat.metrics.stats import EngineStats, StepStats
 from kilat.model_executor.loader import resolve_model_source
 from kilat.outputs import PositionLogprobs, RequestError, RequestMetrics
@@ -92,8 +93,10 @@ class EngineCore:
         info = self.info = self.executor.info
         self.max_model_len = info.max_model_len
         self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.connector = create_kv_connector(config, KVConnectorRole.SCHEDULER, KVCacheSpec(
+            info.num_blocks, config.cache.block_size, info.bytes_per_block, info.dtype, info.kv_cache_dtype))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens,
-                                   self.executor.max_concurrent_batches)
+                                   self.executor.max_concurrent_batches, self.connector)
         self.stats = EngineStats()
         self.batch_queue: deque[_Batch] = deque()  # submitted steps not yet collected, oldest first
         self._num_scheduled_tokens = self._num_preempted = 0  # of the last schedule, for the step's stats
@@ -181,8 +184,10 @@ class EngineCore:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs, or a submitted step has not been collected."""
-        return self.scheduler.num_unfinished > 0 or bool(self.batch_queue)
+        """True while any request waits or runs, a submitted step has not been collected, or the KV connector
+        has jobs for the workers (saves of the last requests' blocks)."""
+        return self.scheduler.num_unfinished > 0 or bool(self.batch_queue) or (
+            self.connector is not None and self.connector.has_pending_work())
 
     def update_gauges(self) -> EngineStats:
         """Refresh the running/waiting/KV-usage gauges from the current state (e.g. after aborts)."""
@@ -239,6 +244,7 @@ class EngineCore:
             outputs += self._collect_oldest()
         self.stats.prefix_cache_queries = self.kv.prefix_queries
         self.stats.prefix_cache_hits = self.kv.prefix_hits
+        self.stats.external_prefix_cache_hits = self.scheduler.num_external_hits
         self.stats.last_step = StepStats(
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_running=len(self.scheduler.running),
@@ -259,7 +265,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self._num_scheduled_tokens, self._num_preempted = sched.total_num_scheduled_tokens, len(sched.preempted_req_ids)
         self.stats.num_preemptions += len(sched.preempted_req_ids)
-        if not sched.num_scheduled_tokens and not sched.finished_req_ids:
+        if not sched.num_scheduled_tokens and not sched.finished_req_ids and sched.kv_connector_metadata is None:
             return False
         requests = {rid: self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens}
         try:
@@ -294,6 +300,8 @@ class EngineCore:
             self.scheduler.in_flight.difference_update(requests)
         now = time.time()
         outputs = []
+        if result.kv_connector_output is not None:
+            self.stats.kv_offload.update(result.kv_connector_output.stats)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result)}
         for rid, request in requests.items():
             if rid not in result.sampled_token_ids or (rid not in finished and rid not in self.scheduler.requests):

@@ -31,7 +31,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -46,10 +45,9 @@ class KVCacheManager:
         """Blocks not held by any request."""
         return self.pool.num_free_blocks
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """Keys of the request's full blocks, extended incrementally as its tokens grow."""
-        hashes = self._req_hashes.setdefault(request.request_id, [])
-        return extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Keys of the request's full blocks (``request.block_hashes``, extended as its tokens grow)."""
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def uses_prefix_cache(self, request: Request) -> bool:
         """Whether the request may reuse cached blocks: caching is on and it does not want prompt logprobs
@@ -64,7 +62,7 @@ class KVCacheManager:
         """
         if not self.uses_prefix_cache(request):
             return [], 0
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for key in hashes[:max_blocks]:
@@ -81,12 +79,15 @@ class KVCacheManager:
             self.prefix_hits += min(num_hit_tokens, num_prompt_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None, num_lookahead_tokens: int = 0) -> bool:
+                       computed_blocks: list[KVBlock] | None = None, num_lookahead_tokens: int = 0,
+                       cache: bool = True) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones, plus ``num_lookahead_tokens``
         slots after them (where a draft model writes the KV of its drafts).
 
         ``computed_blocks`` (prefix-cache hits from :meth:`get_computed_blocks`, for a request being
-        admitted) are taken first. Returns False, changing nothing, when too few blocks are free.
+        admitted) are taken first. ``cache=False`` leaves the new full blocks out of the prefix cache (a KV
+        connector has yet to load them; a later allocation registers them). Returns False, changing nothing,
+        when too few blocks are free.
         """
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
@@ -101,7 +102,7 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
@@ -111,7 +112,7 @@ class KVCacheManager:
         end = min(num_tokens, request.num_tokens) // self.block_size
         if end <= start:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         blocks = self.req_blocks[request.request_id]
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
@@ -130,7 +131,6 @@ class KVCacheManager:
     def free(self, request: Request) -> int:
         """Release all of the request's blocks (tail first). Returns how many became free."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        self._req_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         return self.pool.free_blocks(blocks[::-1])
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kilat.core.block_hash import BlockHash
 from kilat.outputs import PositionLogprobs, RequestMetrics
 from kilat.sampling_params import SamplingParams
 
@@ -19,19 +20,21 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a core request; every ``FINISHED_*`` value is greater than ``PREEMPTED``."""
+    """Lifecycle of a core request; every ``FINISHED_*`` value is greater than ``WAITING_FOR_REMOTE_KVS`` (a
+    request whose KV blocks a KV connector is loading: it holds them and waits, vLLM's status)."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KVS = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
         """True for every ``FINISHED_*`` status."""
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.WAITING_FOR_REMOTE_KVS
 
     @property
     def finish_reason(self) -> str | None:
@@ -121,6 +124,7 @@ class Request(TokenSequence):
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(),
                                       num_prompt_tokens=self.num_prompt_tokens)
+        self.block_hashes: list[BlockHash] = []  # of its full blocks, extended by the KVCacheManager
         self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
 

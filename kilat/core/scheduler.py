@@ -18,6 +18,11 @@ step whose output has not come back (:attr:`Scheduler.in_flight`) is neither sch
 the next step takes other requests and the stages overlap. So that there are other requests, a step then takes
 at most ``1 / max_concurrent_batches`` of the running requests (rounded up): decoding requests split into
 micro-batches that take turns.
+
+With a KV connector (:mod:`kilat.kv_connector.base`), a waiting request whose prompt continues past its local
+prefix-cache hit with blocks the connector holds gets those blocks allocated and waits
+(``WAITING_FOR_REMOTE_KVS``, in :attr:`Scheduler.waiting_for_remote_kvs`) until the worker reports them loaded;
+it then rejoins the front of the queue with the blocks that arrived intact counted as computed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kilat.config import SchedulerConfig
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
 from kilat.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kilat.kv_connector.base import KVConnectorBase
 
 
 class Scheduler:
@@ -41,11 +47,19 @@ class Scheduler:
         num_lookahead_tokens: slots reserved after a request's last token whenever it reaches it, for the KV
             of the drafts a draft model writes after the step (``num_speculative_tokens``; 0 otherwise).
         max_concurrent_batches: steps the engine core keeps in flight (the executor's; module docs).
+        connector: the scheduler side of the engine's KV connector, or ``None``.
+
+    Attributes:
+        num_external_hits: prompt tokens the connector supplied (loaded intact), over all requests.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0, max_concurrent_batches: int = 1):
+                 num_lookahead_tokens: int = 0, max_concurrent_batches: int = 1,
+                 connector: KVConnectorBase | None = None):
         self.config = config
+        self.connector = connector
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # loading their blocks (module docs)
+        self.num_external_hits = 0
         self.max_concurrent_batches = max_concurrent_batches
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -61,8 +75,8 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        """Requests waiting or running."""
-        return len(self.waiting) + len(self.running)
+        """Requests waiting (for the model or for their KV) or running."""
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (FCFS).
@@ -84,6 +98,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote_kvs[rid]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -91,8 +107,14 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _release(self, request: Request) -> None:
+    def _free_blocks(self, request: Request) -> None:
+        """Free the request's blocks, first offering them to the connector (which may save them)."""
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv.get_block_ids(request))
         self.kv.free(request)
+
+    def _release(self, request: Request) -> None:
+        self._free_blocks(request)
         if request.grammar is not None:
             request.grammar.cancel()  # stops a compile that no other request waits for
         request.grammar = None
@@ -106,7 +128,7 @@ class Scheduler:
     def _preempt_last(self) -> Request:
         """Preempt the newest running request that is not in flight."""
         victim = self.running.pop(max(i for i, r in enumerate(self.running) if r.request_id not in self.in_flight))
-        self.kv.free(victim)
+        self._free_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.clear_drafts()
@@ -191,7 +213,11 @@ class Scheduler:
                 # a grammar that failed since failed_grammars() ran ends the request in the next step
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            loaded = self.kv.num_blocks(request) > 0  # back from WAITING_FOR_REMOTE_KVS, holding its blocks
+            computed_blocks, num_hit = ([], request.num_computed_tokens) if loaded else \
+                self.kv.get_computed_blocks(request)
+            if not loaded and self.connector is not None and self._load_external(request, computed_blocks, num_hit):
+                continue
             num_new = request.num_tokens - num_hit
             if num_new > budget and not chunked:
                 break
@@ -213,7 +239,53 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return self._output(scheduled, preempted, resumed, self.config.max_num_batched_tokens - budget)
+        out = self._output(scheduled, preempted, resumed, self.config.max_num_batched_tokens - budget)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _load_external(self, request: Request, computed_blocks: list, num_hit: int) -> bool:
+        """Ask the connector for the prompt's blocks after the local hit; when it has some, allocate them, park the
+        request until they are loaded and return True (False: nothing to load, or no room, which leaves the
+        request to compute them)."""
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if num_external == 0 or not self.kv.allocate_slots(request, num_external, computed_blocks, cache=False):
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request, num_hit // self.kv.block_size),
+                                                num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = request
+        if request.num_cached_tokens < 0:
+            self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
+            request.num_cached_tokens = num_hit
+            request.metrics.num_cached_tokens = num_hit
+            request.metrics.first_scheduled_time = time.time()
+        return True
+
+    def _finish_loads(self, result: ModelRunnerOutput) -> None:
+        """Requests whose blocks the worker loaded rejoin the front of the queue, counting as computed the blocks
+        up to the first that failed (``invalid_block_ids``, recomputed)."""
+        output = result.kv_connector_output
+        self.connector.update_connector_output(output)
+        bs = self.kv.block_size
+        for rid in output.finished_recving:
+            request = self.waiting_for_remote_kvs.pop(rid, None)
+            if request is None:  # aborted while loading
+                continue
+            block_ids = self.kv.get_block_ids(request)
+            first = request.num_computed_tokens // bs
+            last = (request.num_tokens - 1) // bs
+            intact = first
+            while intact < min(last, len(block_ids)) and block_ids[intact] not in output.invalid_block_ids:
+                intact += 1
+            self.num_external_hits += (intact - first) * bs
+            request.num_computed_tokens = intact * bs
+            request.num_cached_tokens += (intact - first) * bs
+            request.metrics.num_cached_tokens = request.num_cached_tokens
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _output(self, scheduled: list[tuple[Request, int]], preempted: list[Request], resumed: set[str],
                 num_tokens: int) -> SchedulerOutput:
@@ -249,6 +321,8 @@ class Scheduler:
         chunk reached their last token sample): its accepted draft tokens, then the target's own token. Tokens
         after one that ends the request are dropped. Returns the requests that finished this step.
         """
+        if self.connector is not None and result.kv_connector_output is not None:
+            self._finish_loads(result)
         finished = []
         for rid, num_new in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)

@@ -17,6 +17,7 @@ from kilat.outputs import PositionLogprobs
 from kilat.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kilat.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
     from kilat.structured_outputs.manager import TokenBitmask
 
 
@@ -99,6 +100,7 @@ class SchedulerOutput:
             ``structured_output_request_ids`` (``1 + drafts`` rows each), or ``None``.
         structured_output_request_ids: the requests that sample this step, in batch order, when
             ``grammar_bitmask`` is set (its rows follow this order).
+        kv_connector_metadata: the KV connector's jobs for the workers this step, or ``None``.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -110,6 +112,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: TokenBitmask | None = None
     structured_output_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 @dataclass
@@ -124,10 +127,12 @@ class ModelRunnerOutput:
             starts with ``None`` for position 0), for requests that asked for ``prompt_logprobs``.
         spec_token_ids: request id → the drafts proposed for its next step (speculative decoding); requests
             with none are absent. The scheduler drops those of requests that finished.
+        kv_connector_output: what the KV connector's worker side did this step, or ``None`` (no connector).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 

@@ -319,3 +319,4 @@ def worker_main(rank: int, fd: int) -> None:
                 _reply(sock, rank, False, e)
                 continue
             _reply(sock, rank, True, result if rank == config.parallel.output_rank else None)
+        worker.shutdown()

@@ -34,4 +34,5 @@ class UniProcExecutor(Executor):
         return self.worker.execute_model(self._submitted.popleft())
 
     def shutdown(self) -> None:
-        """Nothing to stop: the worker lives and dies with this process."""
+        """Finish the worker's queued work (the worker lives and dies with this process)."""
+        self.worker.shutdown()

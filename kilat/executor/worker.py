@@ -72,3 +72,7 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (:meth:`ModelRunner.execute`)."""
         return self.runner.execute(sched)
+
+    def shutdown(self) -> None:
+        """Finish what the runner has queued (:meth:`ModelRunner.shutdown`)."""
+        self.runner.shutdown()

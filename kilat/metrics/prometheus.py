@@ -52,8 +52,11 @@ class _EngineStatsCollector:
                 ("kilat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  lambda st: st.prefix_cache_queries),
                 ("kilat:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                 lambda st: st.prefix_cache_hits)):
+                 lambda st: st.prefix_cache_hits),
+                ("kilat:external_prefix_cache_hits", "Prompt tokens loaded from the KV offload tier.",
+                 lambda st: st.external_prefix_cache_hits)):
             yield family(CounterMetricFamily, name, doc, value)
+        yield from _kv_offload_metrics({engine: stats.kv_offload for engine, stats in engines.items()})
         finished = CounterMetricFamily("kilat:request_success", "Finished requests by finish reason.",
                                        labels=["engine", "finished_reason"])
         for engine, stats in engines.items():
@@ -105,6 +108,19 @@ def _spec_decode_metrics(specs: dict[str, SpecDecodeStats]) -> Iterator[Metric]:
         for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([engine, str(pos)], value)
     yield per_pos
+
+
+def _kv_offload_metrics(offload: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """The KV offload tier's blocks and bytes per engine, tier and direction (``save`` / ``load``)."""
+    for unit in ("blocks", "bytes"):
+        metric = CounterMetricFamily(f"kilat:kv_offload_{unit}", f"KV {unit} moved to (save) or from (load) an "
+                                     f"offload tier.", labels=["engine", "tier", "direction"])
+        for engine, counts in offload.items():
+            for key, value in sorted(counts.items()):
+                tier, verb, key_unit = key.rsplit("_", 2)
+                if key_unit == unit:
+                    metric.add_metric([engine, tier, {"saved": "save", "loaded": "load"}[verb]], value)
+        yield metric
 
 
 def _add_stats(a: EngineStats, b: EngineStats) -> EngineStats:

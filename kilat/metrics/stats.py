@@ -88,6 +88,8 @@ class EngineStats:
         num_preemptions: preemptions.
         prefix_cache_queries: tokens looked up in the prefix cache at admission.
         prefix_cache_hits: tokens found there.
+        external_prefix_cache_hits: prompt tokens a KV connector supplied (loaded intact from the offload tier).
+        kv_offload: the KV offload tier's transfers: ``"<tier>_<saved|loaded>_<blocks|bytes>"`` → count.
         finished_by_reason: finished requests per finish reason.
         spec_decode: speculative decoding counters (all 0 without speculation).
         last_step: the latest :class:`StepStats`.
@@ -98,6 +100,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload: Counter = field(default_factory=Counter)
     finished_by_reason: Counter = field(default_factory=Counter)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     last_step: StepStats = field(default_factory=StepStats)

@@ -20,6 +20,7 @@ import torch
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kilat.distributed.parallel_state import get_pp_group, recv_from_prev_stage, send_to_next_stage
+from kilat.kv_connector.base import KVCacheSpec, KVConnectorRole, create_kv_connector
 from kilat.model_executor.attention import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -112,12 +113,27 @@ class ModelRunner:
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
                                                self.device, self.kv_scales)
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_connector = create_kv_connector(config, KVConnectorRole.WORKER, self.kv_cache_spec)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches([t for group in (self.kv_caches, self.kv_scales, self.draft_kv_caches,
+                                                                  self.draft_kv_scales) for t in group or ()])
         spec = config.speculative
         self.proposer: Proposer | None = None if spec is None or not self.pp.is_last else build_proposer(spec, self)
         self.num_lookahead_tokens = self.proposer.num_lookahead_tokens if self.proposer is not None else 0
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache as a KV connector sees it."""
+        return KVCacheSpec(self.num_blocks, self.block_size, self.bytes_per_block,
+                           str(self.dtype).removeprefix("torch."), str(self.kv_cache_dtype).removeprefix("torch."))
+
+    def shutdown(self) -> None:
+        """Finish the KV connector's queued writes (the offload tier's saves)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
                 kv_scales: list[torch.Tensor] | None) -> ForwardContext:
@@ -209,6 +225,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step (:meth:`_execute`), with the KV connector's jobs before it (loads of blocks, copies of
+        blocks to save) and its report in ``kv_connector_output``."""
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(sched)
+        connector.bind_connector_metadata(sched.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            result = self._execute(sched)
+        finally:
+            connector.clear_connector_metadata()
+        result.kv_connector_output = connector.get_finished(sched.finished_req_ids)
+        return result
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the scheduled tokens, sample for requests whose chunk reaches their last token, and propose
         the next drafts.
 

@@ -1,0 +1,261 @@
+"""The KV offload tier (``kv_offloading_size`` + ``kv_offloading_path``): prefix-cache blocks persisted on disk.
+
+Policy (scheduler side):
+
+- **Save**: when a request's blocks are about to be freed (it finished, was aborted or preempted), each of its
+  full, computed blocks whose hash the tier lacks is saved. The worker copies the block out at the start of the
+  next step, before that step's forward can overwrite it, and a background thread writes the file. The tier is
+  LRU: a save beyond ``kv_offloading_size`` deletes the least recently used blocks first.
+- **Load**: a waiting request whose prompt continues past its local prefix-cache hit with blocks the tier holds
+  gets those blocks allocated and waits (``WAITING_FOR_REMOTE_KVS``) while the worker reads and checks them at the
+  start of the next step; then it is scheduled from the first block that did not load (a missing, truncated or
+  corrupt file is recomputed, never decoded from, and leaves the tier).
+
+Files live in ``kv_offloading_path/<namespace>/``, the namespace being a hash of what makes blocks
+interchangeable (model, dtypes, block size and bytes per block), so a restarted engine of the same model finds
+its blocks and another model never reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kilat.core.block_hash import BlockHash
+from kilat.kv_connector.base import (
+    KVCacheSpec,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+from kilat.kv_connector.disk_store import CorruptBlockError, DiskBlockStore
+
+if TYPE_CHECKING:
+    from kilat.config import EngineConfig
+    from kilat.core.request import Request
+    from kilat.core.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("kilat")
+
+TIER = "disk"
+"""The tier's name in the metrics."""
+
+
+@dataclass
+class OffloadingMetadata(KVConnectorMetadata):
+    """One step's jobs.
+
+    Attributes:
+        saves: ``(block id, hash)`` of the blocks to copy out (before the forward) and write.
+        loads: request id → ``(block id, hash)`` of its blocks to read, in token order.
+        deletes: hashes to remove from the tier (after the saves before them).
+    """
+
+    saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    loads: dict[str, list[tuple[int, BlockHash]]] = field(default_factory=dict)
+    deletes: list[BlockHash] = field(default_factory=list)
+
+
+def namespace(config: EngineConfig, spec: KVCacheSpec) -> str:
+    """The tier's subdirectory for this engine's blocks: a hash of the model, its dtypes and the KV layout."""
+    key = {"model": str(config.model.model), "quantization": config.model.quantization, "dtype": spec.dtype,
+           "kv_cache_dtype": spec.kv_cache_dtype, "block_size": spec.block_size,
+           "bytes_per_block": spec.bytes_per_block,
+           "draft": None if config.speculative is None else str(config.speculative.model)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class OffloadingConnector(KVConnectorBase):
+    """Saves freed prefix-cache blocks to a disk tier and loads them back on a prefix hit (module docs).
+
+    Raises:
+        OSError: the tier's directory cannot be created.
+    """
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
+        super().__init__(config, role, kv_cache_spec)
+        directory = f"{config.cache.kv_offloading_path}/{namespace(config, kv_cache_spec)}"
+        self.store = DiskBlockStore(directory, kv_cache_spec.bytes_per_block)
+        if role is KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ---- scheduler side ----
+    def _init_scheduler(self) -> None:
+        self.capacity = max(1, int(self.config.cache.kv_offloading_size * 2**30) // self.store.file_bytes)
+        self.index: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(self.store.scan())  # LRU first
+        for block_hash in list(self.index)[:max(0, len(self.index) - self.capacity)]:
+            del self.index[block_hash]
+            self.store.delete(block_hash)
+        self._meta = OffloadingMetadata()
+        self._loading: dict[int, BlockHash] = {}  # block id → hash, of loads sent and not yet reported
+        logger.info("KV offload tier: %s, %d of %d blocks (%.2f GiB) stored", self.store.directory, len(self.index),
+                    self.capacity, self.config.cache.kv_offloading_size)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The tier's run of the prompt's blocks right after the local hit (never the last token's block)."""
+        bs = self.kv_cache_spec.block_size
+        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        count = 0
+        while first + count < last and request.block_hashes[first + count] in self.index:
+            count += 1
+        return count * bs, count > 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Queue the loads of the offered blocks (``block_ids`` start at the first one)."""
+        bs = self.kv_cache_spec.block_size
+        first = request.num_computed_tokens // bs
+        hashes = request.block_hashes[first:first + num_external_tokens // bs]
+        jobs = list(zip(block_ids, hashes, strict=False))
+        for block_id, block_hash in jobs:
+            self.index.move_to_end(block_hash)
+            self._loading[block_id] = block_hash
+        self._meta.loads[request.request_id] = jobs
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Queue the saves of the request's full computed blocks the tier lacks (freeing is not delayed: the worker
+        copies them out before the next forward)."""
+        num_full = min(len(block_ids), request.num_computed_tokens // self.kv_cache_spec.block_size,
+                       len(request.block_hashes))
+        for block_id, block_hash in zip(block_ids[:num_full], request.block_hashes[:num_full], strict=True):
+            if block_hash in self.index:
+                self.index.move_to_end(block_hash)
+                continue
+            self.index[block_hash] = None
+            self._meta.saves.append((block_id, block_hash))
+            while len(self.index) > self.capacity:
+                evicted, _ = self.index.popitem(last=False)
+                self._meta.deletes.append(evicted)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        meta = self._meta
+        return bool(meta.saves or meta.loads or meta.deletes)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata | None:
+        if not self.has_pending_work():
+            return None
+        meta, self._meta = self._meta, OffloadingMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Forget the blocks that failed to load (their files are gone or bad). The worker runs a step's loads
+        within that step, so every load sent has been reported once its step's output is here."""
+        for block_id in connector_output.invalid_block_ids:
+            block_hash = self._loading.get(block_id)
+            if block_hash is not None and block_hash in self.index:
+                del self.index[block_hash]
+                self._meta.deletes.append(block_hash)
+        self._loading.clear()
+
+    # ---- worker side ----
+    def _init_worker(self) -> None:
+        self._tensors: list[torch.Tensor] = []
+        self._pending: dict[BlockHash, bytes] = {}  # written by the thread, not yet on disk
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[str, BlockHash] | None] = queue.Queue()
+        self._out = KVConnectorOutput()
+        self._writer = threading.Thread(target=self._write_loop, name="kilat-kv-offload", daemon=True)
+        self._writer.start()
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Raises:
+            ValueError: the tensors' bytes per block differ from ``kv_cache_spec.bytes_per_block``."""
+        total = sum(t[:, 0].numel() * t.element_size() for t in kv_caches)
+        if total != self.kv_cache_spec.bytes_per_block:
+            raise ValueError(f"the KV tensors hold {total} bytes per block, the spec says "
+                             f"{self.kv_cache_spec.bytes_per_block}")
+        self._tensors = list(kv_caches)
+
+    def _block_bytes(self, block_id: int) -> bytes:
+        """A block's payload: its slice of every KV tensor in turn, as bytes."""
+        parts = [t[:, block_id].reshape(-1).view(torch.uint8) for t in self._tensors]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def _put_block(self, block_id: int, payload: bytes) -> None:
+        """Copy a payload into a block of every KV tensor."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for t in self._tensors:
+            view = t[:, block_id]
+            size = view.numel() * t.element_size()
+            view.copy_(data[offset:offset + size].view(t.dtype).view(view.shape))
+            offset += size
+
+    def start_load_kv(self) -> None:
+        """Copy out this step's saves (before the forward overwrites them), then read and check its loads."""
+        meta = self._metadata
+        if not isinstance(meta, OffloadingMetadata):
+            return
+        stats = self._out.stats
+        for block_id, block_hash in meta.saves:
+            payload = self._block_bytes(block_id)
+            with self._lock:
+                self._pending[block_hash] = payload
+            self._jobs.put(("save", block_hash))
+            stats[f"{TIER}_saved_blocks"] = stats.get(f"{TIER}_saved_blocks", 0) + 1
+            stats[f"{TIER}_saved_bytes"] = stats.get(f"{TIER}_saved_bytes", 0) + len(payload)
+        for block_hash in meta.deletes:
+            self._jobs.put(("delete", block_hash))
+        for request_id, jobs in meta.loads.items():
+            failed = False
+            for block_id, block_hash in jobs:
+                if failed:  # a later block of a broken chain is of no use
+                    self._out.invalid_block_ids.add(block_id)
+                    continue
+                try:
+                    with self._lock:
+                        payload = self._pending.get(block_hash)
+                    payload = payload if payload is not None else self.store.read(block_hash)
+                except CorruptBlockError as e:
+                    logger.warning("KV offload tier: %s; recomputing it", e)
+                    self._out.invalid_block_ids.add(block_id)
+                    failed = True
+                    continue
+                self._put_block(block_id, payload)
+                stats[f"{TIER}_loaded_blocks"] = stats.get(f"{TIER}_loaded_blocks", 0) + 1
+                stats[f"{TIER}_loaded_bytes"] = stats.get(f"{TIER}_loaded_bytes", 0) + len(payload)
+            self._out.finished_recving.add(request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        out, self._out = self._out, KVConnectorOutput()
+        return out
+
+    def _write_loop(self) -> None:
+        """The background writer: saves and deletes in the order they were queued."""
+        while (job := self._jobs.get()) is not None:
+            kind, block_hash = job
+            try:
+                if kind == "save":
+                    with self._lock:
+                        payload = self._pending[block_hash]
+                    self.store.write(block_hash, payload)
+                else:
+                    self.store.delete(block_hash)
+            except OSError as e:
+                logger.warning("KV offload tier: %s of block %s failed: %s", kind, block_hash.hex()[:16], e)
+            finally:
+                if kind == "save":
+                    with self._lock:
+                        self._pending.pop(block_hash, None)
+                self._jobs.task_done()
+
+    def wait_for_save(self) -> None:
+        """Block until every queued write and delete is on disk."""
+        self._jobs.join()
+
+    def shutdown(self) -> None:
+        """Finish the queued writes, then stop the writer thread."""
+        if self.role is KVConnectorRole.WORKER and self._writer.is_alive():
+            self._jobs.put(None)
+            self._writer.join(timeout=30)
