@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """The KV offload tier (issue 17): prefix hits when the prefixes exceed the engine's cache, and the TTFT of a long
-prompt after a restart, with and without the disk tier, in one run. The embedded model with its defaults.
+prompt after a restart, with and without the disk tier, in one run. The embedded model in float32 (the
+dequantized GGUF), where greedy outputs must not change (bfloat16's rounding depends on how much of a prompt was
+computed in one step, with or without a tier).
 
 1. ``hit_rate``: W3's shape scaled to a small cache: ``--groups`` groups of ``--per-group`` requests sharing a
    ``--prefix-len``-token prefix plus a distinct 32-token suffix, ``--max-tokens`` output tokens each, sent one
@@ -37,7 +39,7 @@ from kilat.bench.quality import machine_info  # noqa: E402
 
 def _engine(tier: Path | None, num_blocks: int, max_model_len: int) -> LLM:
     extra = {} if tier is None else {"kv_offloading_size": 4.0, "kv_offloading_path": str(tier)}
-    return LLM(num_gpu_blocks_override=num_blocks, max_model_len=max_model_len, **extra)
+    return LLM(dtype="float32", num_gpu_blocks_override=num_blocks, max_model_len=max_model_len, **extra)
 
 
 def hit_rate(tier: Path | None, args: argparse.Namespace) -> dict[str, Any]:

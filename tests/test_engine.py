@@ -132,7 +132,7 @@ def test_add_abort_cycles_leave_no_per_request_state(llm):
     assert_all_free(llm)
     core, kv = engine.core, engine.core.kv
     assert not core.scheduler.requests and not core.scheduler.waiting and not core.scheduler.running
-    assert not kv._req_hashes and not kv._num_cached_blocks
+    assert not kv.req_blocks and not kv._num_cached_blocks
     assert not engine.output_processor._states and not engine.output_processor._core_to_parent
     engine.step()  # hands the runner the ids that ended since its last step
     assert not core.runner.requests
