@@ -134,10 +134,11 @@ class CacheConfig:
             scale per token and KV head), ``"fp8"`` / ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (float8 with the same
             scales). Fewer bytes per token, so more blocks fit; fp8 needs the CPU or, with the Triton backend,
             CUDA compute capability 8.9 or newer.
-        kv_offloading_size: GiB of the KV offload tier (vLLM's flag): full prefix-cache blocks that leave the
-            engine's cache are saved there, and a later prompt that starts with them loads them back instead of
-            recomputing them (``None``: no tier). Needs ``kv_offloading_path`` (the disk tier; a host-memory
-            tier for GPUs is not built yet) and prefix caching.
+        kv_offloading_size: GiB of the KV offload tier (vLLM's flag; least recently used blocks go first): the
+            full blocks of requests that end or are preempted are saved there, and a later prompt that starts
+            with them loads them back instead of recomputing them (``None``: no tier). Needs
+            ``kv_offloading_path`` (the disk tier; a host-memory tier for GPUs is not built yet) and prefix
+            caching.
         kv_offloading_path: directory of the disk tier (created if missing; its blocks survive restarts and are
             shared by engines of the same model and KV layout).
     """
@@ -517,8 +518,9 @@ class EngineArgs:
                "pipeline_parallel_size 1 only")
         cache = build(CacheConfig)
         check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
-        _check(cache.kv_offloading_size is None or parallel.world_size == 1, "kv_offloading_size",
-               "runs with tensor_parallel_size and pipeline_parallel_size 1 only (for now)")
+        _check(cache.kv_offloading_size is None or parallel.world_size * parallel.data_parallel_size == 1,
+               "kv_offloading_size", "runs with tensor_parallel_size, pipeline_parallel_size and "
+               "data_parallel_size 1 only (for now)")
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)

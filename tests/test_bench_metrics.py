@@ -16,6 +16,7 @@ from kilat.bench.metrics import RequestResult, distribution, parse_goodput, summ
 from kilat.bench.serve import (
     arrival_offsets,
     counter_delta,
+    external_prefix_cache_hit_rate,
     format_table,
     parse_samples,
     prefix_cache_hit_rate,
@@ -87,6 +88,9 @@ def test_prefix_cache_hit_rate_from_counter_deltas() -> None:
     assert prefix_cache_hit_rate(before, after) == 0.25
     assert prefix_cache_hit_rate({}, {}) is None
     assert prefix_cache_hit_rate(before, before) is None  # no queries during the run
+    assert external_prefix_cache_hit_rate(before, after) is None  # no offload tier
+    name = "kilat:external_prefix_cache_hits_total"
+    assert external_prefix_cache_hit_rate(before | {name: 10.0}, after | {name: 60.0}) == 0.25
 
 
 def test_counter_delta_matches_by_suffix() -> None:

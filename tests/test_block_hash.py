@@ -54,6 +54,7 @@ def test_the_encoding_is_unambiguous():
     ("", "cache_salt must be a non-empty string"),
     (7, "cache_salt must be a non-empty string, got 7"),
     ("x" * (MAX_CACHE_SALT_CHARS + 1), f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters"),
+    ("\ud800", "cache_salt is not valid Unicode text"),
 ])
 def test_bad_salts_are_refused(salt, message):
     with pytest.raises(ValueError, match=message):

@@ -112,6 +112,8 @@ def test_a_corrupt_or_truncated_block_is_recomputed(tiny_llama_dir, tmp_path):
     ({"kv_offloading_size": -1, "kv_offloading_path": "/tmp/x"}, "kv_offloading_size must be > 0 GiB"),
     ({"kv_offloading_size": 1, "kv_offloading_path": "/tmp/x", "enable_prefix_caching": False},
      "needs enable_prefix_caching"),
+    ({"kv_offloading_size": 1, "kv_offloading_path": "/tmp/x", "data_parallel_size": 2},
+     "data_parallel_size 1 only"),
 ])
 def test_bad_tier_settings_are_refused(kwargs, message):
     from kilat.config import EngineArgs
@@ -136,3 +138,49 @@ def test_tier_metrics_are_exported():
                    'kilat:kv_offload_bytes_total{direction="save",engine="0",tier="disk"} 196608.0',
                    'kilat:kv_offload_bytes_total{direction="load",engine="0",tier="disk"} 49152.0'):
         assert sample in lines
+
+
+def test_preemption_and_prompt_logprobs_with_the_tier(tiny_llama_dir, tmp_path):
+    """Four requests that outgrow a 16-block cache preempt each other; a victim's saved blocks come back from the
+    tier when it resumes (its generated tokens kept); a request that wants prompt logprobs never uses the tier.
+    Greedy outputs and prompt logprobs equal the run without a tier."""
+    prompts = [list(range(200 + 40 * i, 240 + 40 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    lp_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+
+    def run(tier: Path | None) -> tuple[list[list[int]], list, LLM]:
+        llm = _llm(tiny_llama_dir, tier)
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        scored = llm.generate([PROMPTS[0]], lp_params, use_tqdm=False)[0]
+        return outputs, [(p and sorted(p.items())) for p in scored.prompt_logprobs], llm
+
+    want, want_lp, plain = run(None)
+    plain.shutdown()
+    got, got_lp, llm = run(tmp_path / "tier")
+    assert got == want and got_lp == want_lp
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0 and stats.kv_offload["disk_loaded_blocks"] > 0
+    assert stats.external_prefix_cache_hits <= sum(len(p) for p in prompts)  # prompt tokens only
+    llm.shutdown()
+
+
+def test_a_hash_deleted_and_saved_again_in_one_step_stays_stored(tmp_path):
+    """The writer runs saves and deletes in the scheduler's order, and a second save of a hash queued while the
+    first is pending is not lost."""
+    import torch
+
+    from kilat.config import EngineConfig
+    from kilat.kv_connector.base import KVCacheSpec, KVConnectorRole
+    from kilat.kv_connector.offloading import OffloadingConnector, OffloadingMetadata
+
+    cache = torch.arange(2 * 4 * 8, dtype=torch.float32).view(2, 4, 8)  # [2, num_blocks, ...]: 64 bytes a block
+    config = EngineConfig()
+    config.cache.kv_offloading_size, config.cache.kv_offloading_path = 0.001, str(tmp_path)
+    worker = OffloadingConnector(config, KVConnectorRole.WORKER, KVCacheSpec(4, 4, 64, "float32", "float32"))
+    worker.register_kv_caches([cache])
+    block_hash = b"h" * 32
+    worker.bind_connector_metadata(OffloadingMetadata(writes=[(1, block_hash), (-1, block_hash), (2, block_hash)]))
+    worker.start_load_kv()
+    worker.shutdown()  # drains the queue
+    stored = torch.frombuffer(bytearray(worker.store.read(block_hash)), dtype=torch.float32)
+    assert torch.equal(stored, cache[:, 2].reshape(-1))

@@ -115,6 +115,15 @@ _ACCEPTED_PER_POS = re.compile(r'[^{]*:spec_decode_num_accepted_tokens_per_pos_t
 """A labelled sample of the accepted-tokens-per-draft-position counter; group 1 is the position."""
 
 
+def external_prefix_cache_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Prompt tokens loaded from a KV offload tier (or another connector) / prompt tokens looked up, over the run
+    (fraction), from ``*:external_prefix_cache_hits_total`` (kilat; vLLM's ``external_prefix_cache_hits``) and
+    ``*:prefix_cache_queries_total``; ``None`` without those counters or queries."""
+    hits = counter_delta(before, after, ":external_prefix_cache_hits_total")
+    queries = counter_delta(before, after, ":prefix_cache_queries_total")
+    return hits / queries if hits is not None and queries is not None and queries > 0 else None
+
+
 def spec_decode_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """Speculative decoding over the run (``docs/metrics.md``), from ``*:spec_decode_*_total`` counter deltas.
 
@@ -214,7 +223,9 @@ def benchmark(requests: list[BenchRequest], config: LoadConfig, slos: dict[str, 
         endpoint=config.endpoint, model=config.model, base_url=config.base_url,
         request_rate=None if math.isinf(config.request_rate) else config.request_rate,
         max_concurrency=config.max_concurrency,
-        prefix_cache_hit_rate=prefix_cache_hit_rate(before, after), **spec_decode_metrics(before, after),
+        prefix_cache_hit_rate=prefix_cache_hit_rate(before, after),
+        external_prefix_cache_hit_rate=external_prefix_cache_hit_rate(before, after),
+        **spec_decode_metrics(before, after),
         server_counter_deltas={k: after[k] - before.get(k, 0.0) for k in after
                                if k.endswith(("prompt_tokens_total", "generation_tokens_total"))},
         per_request={"ttft_s": [r.ttft for r in results], "tpot_s": [r.tpot for r in results],
@@ -235,6 +246,8 @@ def format_table(summary: dict[str, Any]) -> str:
         rows.append(("goodput (req/s)", f"{summary['goodput']:.2f}"))
     if summary.get("prefix_cache_hit_rate") is not None:
         rows.append(("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"))
+    if summary.get("external_prefix_cache_hit_rate"):
+        rows.append(("offload-tier hit rate", f"{summary['external_prefix_cache_hit_rate']:.1%}"))
     if summary.get("spec_decode_acceptance_rate") is not None:
         rows.append(("spec-decode acceptance rate", f"{summary['spec_decode_acceptance_rate']:.1%}"))
     if summary.get("spec_decode_mean_acceptance_length") is not None:

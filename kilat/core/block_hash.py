@@ -74,7 +74,8 @@ def check_cache_salt(cache_salt: object) -> str | None:
     """Validate a request's ``cache_salt`` (vLLM's field).
 
     Raises:
-        ValueError: naming ``cache_salt``: not a string, empty, or longer than :data:`MAX_CACHE_SALT_CHARS`.
+        ValueError: naming ``cache_salt``: not a string, empty, longer than :data:`MAX_CACHE_SALT_CHARS`, or not
+            encodable as UTF-8 (a lone surrogate).
     """
     if cache_salt is None:
         return None
@@ -82,4 +83,8 @@ def check_cache_salt(cache_salt: object) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"cache_salt is not valid Unicode text: {e.reason} at character {e.start}") from e
     return cache_salt

@@ -168,10 +168,11 @@ class EngineCore:
         if self.structured_outputs is not None:
             self.structured_outputs.drain_wakeups()
 
-    def abort_requests(self, request_ids: list[str],
-                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
-        """Finish the given requests (``abort`` by default) and free their blocks."""
-        finished = self.scheduler.finish_requests(request_ids, status)
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       save_kv: bool = True) -> list[Request]:
+        """Finish the given requests (``abort`` by default) and free their blocks (``save_kv=False``: without
+        offering them to the KV connector, whose copy could hold KV a failed step never wrote)."""
+        finished = self.scheduler.finish_requests(request_ids, status, save_kv)
         for request in finished:
             self.stats.finished_by_reason[request.status.finish_reason] += 1
         return finished
@@ -193,16 +194,19 @@ class EngineCore:
         """Refresh the running/waiting/KV-usage gauges from the current state (e.g. after aborts)."""
         last = self.stats.last_step
         last.num_running = len(self.scheduler.running)
-        last.num_waiting = len(self.scheduler.waiting)
+        last.num_waiting = len(self.scheduler.waiting) + len(self.scheduler.waiting_for_remote_kvs)
         last.kv_cache_usage = self.kv.usage
         return self.stats
 
-    def _fail_step(self, sched: SchedulerOutput) -> None:
-        """The step's KV was not (fully) written: abort its requests and drop every cached hash, so that no
-        later request reuses a block holding garbage; other requests simply recompute."""
-        self.abort_requests(list(sched.num_scheduled_tokens))
+    def _fail_step(self, sched: SchedulerOutput) -> list[str]:
+        """The step's KV was not (fully) written: abort its requests, and those whose KV it was to load (their
+        loads may not have run), without saving their blocks, and drop every cached hash, so that no later
+        request reuses a block holding garbage; other requests simply recompute. Returns the aborted ids."""
+        failed = list(sched.num_scheduled_tokens) + list(self.scheduler.waiting_for_remote_kvs)
+        self.abort_requests(failed, save_kv=False)
         self.scheduler.finished_req_ids |= sched.finished_req_ids  # the runner may not have dropped them
         self.kv.pool.reset_prefix_cache()
+        return failed
 
     def _add_grammar_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request has a
@@ -248,7 +252,7 @@ class EngineCore:
         self.stats.last_step = StepStats(
             num_scheduled_tokens=self._num_scheduled_tokens,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.waiting_for_remote_kvs),
             kv_cache_usage=self.kv.usage,
             num_preempted=self._num_preempted,
             step_time=time.perf_counter() - start,
@@ -274,8 +278,7 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:  # the grammar matchers raised, or the step could not be sent (e.g. not picklable)
-            self._fail_step(sched)
-            raise StepFailed(list(requests), e) from e
+            raise StepFailed(self._fail_step(sched), e) from e
         self.scheduler.in_flight.update(requests)
         self.batch_queue.append(_Batch(sched, requests, {rid: r.num_output_tokens for rid, r in requests.items()}))
         return True
@@ -294,8 +297,7 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:  # the model or the draft model raised
-            self._fail_step(sched)
-            raise StepFailed(list(requests), e) from e
+            raise StepFailed(self._fail_step(sched), e) from e
         finally:
             self.scheduler.in_flight.difference_update(requests)
         now = time.time()

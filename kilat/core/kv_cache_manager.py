@@ -103,10 +103,10 @@ class KVCacheManager:
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         if self.enable_caching and cache:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            self.cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's newly full blocks (up to ``num_tokens`` known tokens)."""
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens, request.num_tokens) // self.block_size

@@ -22,7 +22,8 @@ micro-batches that take turns.
 With a KV connector (:mod:`kilat.kv_connector.base`), a waiting request whose prompt continues past its local
 prefix-cache hit with blocks the connector holds gets those blocks allocated and waits
 (``WAITING_FOR_REMOTE_KVS``, in :attr:`Scheduler.waiting_for_remote_kvs`) until the worker reports them loaded;
-it then rejoins the front of the queue with the blocks that arrived intact counted as computed.
+the intact ones then join the prefix cache, its blocks are freed, and it rejoins the front of the queue, whose
+admission finds them as a local hit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from collections import deque
 
 from kilat.config import SchedulerConfig
+from kilat.core.block_pool import KVBlock
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
 from kilat.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -59,6 +61,7 @@ class Scheduler:
         self.config = config
         self.connector = connector
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # loading their blocks (module docs)
+        self._parked: dict[str, tuple[RequestStatus, bool]] = {}  # their status before, and first admission?
         self.num_external_hits = 0
         self.max_concurrent_batches = max_concurrent_batches
         self.kv = kv_cache_manager
@@ -89,8 +92,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
-        """End the given unfinished requests with ``status`` and free their blocks; unknown ids are skipped."""
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, save_kv: bool = True) -> list[Request]:
+        """End the given unfinished requests with ``status`` and free their blocks (offered to the KV connector
+        first unless ``save_kv`` is False); unknown ids are skipped."""
         finished = []
         for rid in request_ids:
             request = self.requests.get(rid)
@@ -100,21 +104,24 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.waiting_for_remote_kvs[rid]
+                del self._parked[rid]
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._release(request)
+            self._release(request, save_kv)
             finished.append(request)
         return finished
 
-    def _free_blocks(self, request: Request) -> None:
-        """Free the request's blocks, first offering them to the connector (which may save them)."""
-        if self.connector is not None:
+    def _free_blocks(self, request: Request, save_kv: bool = True) -> None:
+        """Free the request's blocks, first offering them to the connector (which may save them) unless
+        ``save_kv`` is False. Delaying the freeing (a connector's ``request_finished`` returning True) is not
+        supported yet."""
+        if self.connector is not None and save_kv:
             self.connector.request_finished(request, self.kv.get_block_ids(request))
         self.kv.free(request)
 
-    def _release(self, request: Request) -> None:
-        self._free_blocks(request)
+    def _release(self, request: Request, save_kv: bool = True) -> None:
+        self._free_blocks(request, save_kv)
         if request.grammar is not None:
             request.grammar.cancel()  # stops a compile that no other request waits for
         request.grammar = None
@@ -213,10 +220,8 @@ class Scheduler:
                 # a grammar that failed since failed_grammars() ran ends the request in the next step
                 skipped.append(self.waiting.popleft())
                 continue
-            loaded = self.kv.num_blocks(request) > 0  # back from WAITING_FOR_REMOTE_KVS, holding its blocks
-            computed_blocks, num_hit = ([], request.num_computed_tokens) if loaded else \
-                self.kv.get_computed_blocks(request)
-            if not loaded and self.connector is not None and self._load_external(request, computed_blocks, num_hit):
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if self._load_external(request, computed_blocks, num_hit):
                 continue
             num_new = request.num_tokens - num_hit
             if num_new > budget and not chunked:
@@ -230,11 +235,7 @@ class Scheduler:
                 resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
-                request.num_cached_tokens = num_hit
-                request.metrics.num_cached_tokens = num_hit
-                request.metrics.first_scheduled_time = time.time()
+            self._first_admission(request, num_hit)
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
@@ -244,10 +245,22 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _load_external(self, request: Request, computed_blocks: list, num_hit: int) -> bool:
-        """Ask the connector for the prompt's blocks after the local hit; when it has some, allocate them, park the
-        request until they are loaded and return True (False: nothing to load, or no room, which leaves the
-        request to compute them)."""
+    def _first_admission(self, request: Request, num_hit: int) -> None:
+        """At a request's first admission: count its prompt's prefix-cache lookup and start its schedule clock."""
+        if request.num_cached_tokens < 0:
+            self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
+            request.num_cached_tokens = num_hit
+            request.metrics.num_cached_tokens = num_hit
+            request.metrics.first_scheduled_time = time.time()
+
+    def _load_external(self, request: Request, computed_blocks: list[KVBlock], num_hit: int) -> bool:
+        """Ask the connector for the prompt's blocks after the local hit; when it has some, allocate them (outside
+        the prefix cache until they arrive), park the request until they are loaded and return True (False: no
+        connector, a request that does not use the prefix cache, nothing to load, too many requests, or no room;
+        the request then computes them). Loads are always handled as asynchronous (one step)."""
+        if self.connector is None or not self.kv.uses_prefix_cache(request) or \
+                len(self.running) + len(self.waiting_for_remote_kvs) >= self.config.max_num_seqs:
+            return False
         num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
         if num_external == 0 or not self.kv.allocate_slots(request, num_external, computed_blocks, cache=False):
             return False
@@ -255,18 +268,18 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request, num_hit // self.kv.block_size),
                                                 num_external)
+        self._parked[request.request_id] = (request.status, request.num_cached_tokens < 0)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote_kvs[request.request_id] = request
-        if request.num_cached_tokens < 0:
-            self.kv.record_prefix_query(request.num_prompt_tokens, num_hit)
-            request.num_cached_tokens = num_hit
-            request.metrics.num_cached_tokens = num_hit
-            request.metrics.first_scheduled_time = time.time()
+        self._first_admission(request, num_hit)
         return True
 
     def _finish_loads(self, result: ModelRunnerOutput) -> None:
-        """Requests whose blocks the worker loaded rejoin the front of the queue, counting as computed the blocks
-        up to the first that failed (``invalid_block_ids``, recomputed)."""
+        """Requests whose blocks the worker loaded: the intact run of them (up to the first in
+        ``invalid_block_ids``) joins the prefix cache, every block the request holds is freed, and the request
+        goes back to the front of the queue with its status from before (``WAITING`` or ``PREEMPTED``), where its
+        admission finds the loaded blocks as a local hit. Holding no blocks while waiting, it cannot stall the
+        queue."""
         output = result.kv_connector_output
         self.connector.update_connector_output(output)
         bs = self.kv.block_size
@@ -275,16 +288,19 @@ class Scheduler:
             if request is None:  # aborted while loading
                 continue
             block_ids = self.kv.get_block_ids(request)
-            first = request.num_computed_tokens // bs
-            last = (request.num_tokens - 1) // bs
-            intact = first
-            while intact < min(last, len(block_ids)) and block_ids[intact] not in output.invalid_block_ids:
+            first = intact = request.num_computed_tokens // bs
+            while intact < len(block_ids) and block_ids[intact] not in output.invalid_block_ids:
                 intact += 1
-            self.num_external_hits += (intact - first) * bs
-            request.num_computed_tokens = intact * bs
-            request.num_cached_tokens += (intact - first) * bs
-            request.metrics.num_cached_tokens = request.num_cached_tokens
-            request.status = RequestStatus.WAITING
+            self.kv.cache_full_blocks(request, intact * bs)
+            self.kv.free(request)
+            status, first_admission = self._parked.pop(rid)
+            if first_admission:  # count the prompt tokens loaded, once per request
+                loaded = max(0, min(intact * bs, request.num_prompt_tokens) - first * bs)
+                self.num_external_hits += loaded
+                request.num_cached_tokens += loaded
+                request.metrics.num_cached_tokens = request.num_cached_tokens
+            request.num_computed_tokens = 0
+            request.status = status
             self.waiting.appendleft(request)
 
     def _output(self, scheduled: list[tuple[Request, int]], preempted: list[Request], resumed: set[str],

@@ -48,6 +48,7 @@ import subprocess
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from kilat.child_process import exit_with_parent, python_command
@@ -172,6 +173,27 @@ class MultiprocExecutor(Executor):
             raise payload
         self._replies_by_rank[rank].append((ok, payload))
 
+    def _poll(self, read: Iterable[int], write: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The ranks in ``read`` with a reply (or an end of socket) to read and those in ``write`` with room to
+        write, waiting at most :data:`_POLL_MS` (``poll``, not ``select``: descriptors may exceed 1024)."""
+        poller = select.poll()
+        events: dict[int, int] = {}
+        for rank in read:
+            events[rank] = events.get(rank, 0) | select.POLLIN
+        for rank in write:
+            events[rank] = events.get(rank, 0) | select.POLLOUT
+        by_fd = {self._socks[rank].fileno(): rank for rank in events}
+        for fd, rank in by_fd.items():
+            poller.register(fd, events[rank])
+        readable, writable = [], []
+        for fd, event in poller.poll(_POLL_MS):
+            rank = by_fd[fd]
+            if event & (select.POLLIN | select.POLLHUP | select.POLLERR) and events[rank] & select.POLLIN:
+                readable.append(rank)
+            if event & select.POLLOUT:
+                writable.append(rank)
+        return readable, writable
+
     def _broadcast(self, message: Any) -> None:
         """Write ``message`` to every worker. While a socket's buffer is full, read the replies that arrive (a
         worker may be blocked writing one), so that this never waits on a worker that waits on it.
@@ -193,10 +215,9 @@ class MultiprocExecutor(Executor):
                 if sent[rank] == len(data):
                     del sent[rank]
             if sent:
-                readable, writable, _ = select.select(self._socks, [self._socks[rank] for rank in sent], [],
-                                                      _POLL_MS / 1000)
-                for sock in readable:
-                    self._read_reply(self._socks.index(sock))
+                readable, writable = self._poll(range(self.world_size), sent)
+                for rank in readable:
+                    self._read_reply(rank)
                 if not readable and not writable:
                     self._check_alive()
 
@@ -209,10 +230,9 @@ class MultiprocExecutor(Executor):
         """
         queues = self._replies_by_rank
         while not all(queues):
-            waiting = [self._socks[rank] for rank, queue in enumerate(queues) if not queue]
-            readable, _, _ = select.select(waiting, [], [], _POLL_MS / 1000)
-            for sock in readable:
-                self._read_reply(self._socks.index(sock))
+            readable, _ = self._poll([rank for rank, queue in enumerate(queues) if not queue], ())
+            for rank in readable:
+                self._read_reply(rank)
             if not readable:
                 self._check_alive()
         replies = [queue.popleft() for queue in queues]
@@ -300,6 +320,7 @@ def worker_main(rank: int, fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     exit_with_parent()
+    os.set_inheritable(fd, False)  # a child of this worker must not keep the socket open (hiding its end)
     with socket.socket(fileno=fd) as sock, contextlib.suppress(EOFError, ConnectionError):
         config, distributed_init_method = _recv_message(sock)
         try:

@@ -10,18 +10,18 @@ talk only through plain data: the scheduler side's :class:`KVConnectorMetadata` 
 A step, with a connector:
 
 1. Scheduler, admitting a waiting request after its local prefix-cache hit of ``num_computed_tokens``:
-   :meth:`get_num_new_matched_tokens` → how many more prompt tokens the connector can supply, and whether they
-   arrive asynchronously. For an asynchronous load the scheduler allocates their blocks, calls
-   :meth:`update_state_after_alloc` and parks the request (``WAITING_FOR_REMOTE_KVS``) until the worker reports
-   it in ``finished_recving``; its ``num_computed_tokens`` then covers the blocks that arrived intact
-   (``invalid_block_ids`` are recomputed).
+   :meth:`get_num_new_matched_tokens` → how many more prompt tokens the connector can supply. The scheduler
+   allocates their blocks (outside the prefix cache), calls :meth:`update_state_after_alloc` and parks the
+   request (``WAITING_FOR_REMOTE_KVS``) until the worker reports it in ``finished_recving``; the blocks up to
+   the first of ``invalid_block_ids`` then join the prefix cache and the request is admitted again, finding
+   them as a local hit (kilat runs every load this way, asynchronous by one step).
 2. Scheduler, at the end of ``schedule()``: :meth:`build_connector_meta` → this step's jobs.
-3. Worker, before the forward: :meth:`bind_connector_metadata`, :meth:`start_load_kv`; per layer
-   :meth:`wait_for_layer_load` / :meth:`save_kv_layer` (layer-wise transfer); after it :meth:`wait_for_save`,
-   :meth:`get_finished`, :meth:`clear_connector_metadata`.
-4. Scheduler, with the step's output: :meth:`update_connector_output`; when a request ends,
-   :meth:`request_finished` (``True`` delays freeing its blocks until the worker reports it in
-   ``finished_sending``).
+3. Worker (``ModelRunner.execute``), before the forward: :meth:`bind_connector_metadata`,
+   :meth:`start_load_kv`; after it :meth:`get_finished`, :meth:`clear_connector_metadata`. (vLLM's layer-wise
+   hooks, ``wait_for_layer_load`` and ``save_kv_layer``, come with the first connector that streams layers.)
+4. Scheduler, with the step's output: :meth:`update_connector_output`; before it frees a request's blocks
+   (finished, aborted or preempted): :meth:`request_finished` (delaying the freeing, vLLM's ``True``, is not
+   supported yet).
 
 Without a connector (``None``, the default) none of this runs: no cost.
 """
@@ -78,7 +78,6 @@ class KVConnectorOutput:
     """What the worker side reports after a step (vLLM's ``KVConnectorOutput``).
 
     Attributes:
-        finished_sending: requests whose blocks the worker no longer needs (freeing them was delayed).
         finished_recving: requests whose asynchronous load ended (successfully or not).
         invalid_block_ids: blocks whose load failed (missing, truncated or corrupt data): the scheduler
             recomputes them.
@@ -86,14 +85,9 @@ class KVConnectorOutput:
             engine's metrics.
     """
 
-    finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
-
-    def is_empty(self) -> bool:
-        """Nothing to report."""
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats)
 
 
 class KVConnectorBase:
@@ -132,8 +126,8 @@ class KVConnectorBase:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended (or was preempted) and its blocks (``block_ids``, in token order) are about to be
-        freed. Returns whether to delay freeing them until the worker reports the request in
-        ``finished_sending``, and the ``kv_transfer_params`` to return to the client (or ``None``)."""
+        freed. Returns vLLM's pair: whether to delay freeing them (must be False for now) and the
+        ``kv_transfer_params`` for the client (``None``; not passed on yet)."""
         return False, None
 
     def has_pending_work(self) -> bool:
@@ -157,15 +151,6 @@ class KVConnectorBase:
     def start_load_kv(self) -> None:
         """Begin (or, for a synchronous connector, do) this step's loads and saves of whole blocks."""
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s KV has arrived (layer-wise loading)."""
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Start saving one layer's KV just computed (layer-wise saving)."""
-
-    def wait_for_save(self) -> None:
-        """Block until this step's saves no longer need the KV cache."""
-
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """What finished since the last call (``finished_req_ids``: requests that ended this step)."""
         return KVConnectorOutput()
@@ -177,7 +162,7 @@ class KVConnectorBase:
 KV_CONNECTORS: dict[str, str] = {
     "OffloadingConnector": "kilat.kv_connector.offloading:OffloadingConnector",
 }
-"""Connector name (``kv_transfer_config.kv_connector``) → ``module:class``, imported on first use."""
+"""Connector name (``EngineConfig.kv_connector_name``) → ``module:class``, imported on first use."""
 
 
 def create_kv_connector(config: EngineConfig, role: KVConnectorRole,

@@ -25,6 +25,7 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,19 +56,32 @@ class OffloadingMetadata(KVConnectorMetadata):
     """One step's jobs.
 
     Attributes:
-        saves: ``(block id, hash)`` of the blocks to copy out (before the forward) and write.
+        writes: in the order the scheduler side decided them, ``(block id, hash)`` to copy out (before the
+            forward) and save, or ``(-1, hash)`` to delete; the writer thread runs them in this order, so a hash
+            evicted then saved again within a step ends up stored.
         loads: request id → ``(block id, hash)`` of its blocks to read, in token order.
-        deletes: hashes to remove from the tier (after the saves before them).
     """
 
-    saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    writes: list[tuple[int, BlockHash]] = field(default_factory=list)
     loads: dict[str, list[tuple[int, BlockHash]]] = field(default_factory=dict)
-    deletes: list[BlockHash] = field(default_factory=list)
+
+
+def _weights_fingerprint(config: EngineConfig) -> list[tuple[str, int, int]]:
+    """Name, size and modification time of the model's file, or of the weight and config files of its
+    directory: weights replaced in place get a new namespace (and so never meet KV of the old ones)."""
+    from kilat.model_executor.loader.source import resolve_model_source
+
+    path = Path(resolve_model_source(config.model.model, config.model.load_format).path)
+    files = [path] if path.is_file() else sorted(
+        f for f in path.glob("*") if f.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".json"))
+    return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
 
 
 def namespace(config: EngineConfig, spec: KVCacheSpec) -> str:
-    """The tier's subdirectory for this engine's blocks: a hash of the model, its dtypes and the KV layout."""
-    key = {"model": str(config.model.model), "quantization": config.model.quantization, "dtype": spec.dtype,
+    """The tier's subdirectory for this engine's blocks: a hash of the model (its path and its files' sizes and
+    modification times), its dtypes and the KV layout."""
+    key = {"model": str(config.model.model), "weights": _weights_fingerprint(config),
+           "quantization": config.model.quantization, "dtype": spec.dtype,
            "kv_cache_dtype": spec.kv_cache_dtype, "block_size": spec.block_size,
            "bytes_per_block": spec.bytes_per_block,
            "draft": None if config.speculative is None else str(config.speculative.model)}
@@ -92,6 +106,7 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- scheduler side ----
     def _init_scheduler(self) -> None:
+        """The scheduler side: the tier's LRU index, read from the directory (trimmed to the capacity)."""
         self.capacity = max(1, int(self.config.cache.kv_offloading_size * 2**30) // self.store.file_bytes)
         self.index: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(self.store.scan())  # LRU first
         for block_hash in list(self.index)[:max(0, len(self.index) - self.capacity)]:
@@ -132,17 +147,18 @@ class OffloadingConnector(KVConnectorBase):
                 self.index.move_to_end(block_hash)
                 continue
             self.index[block_hash] = None
-            self._meta.saves.append((block_id, block_hash))
+            self._meta.writes.append((block_id, block_hash))
             while len(self.index) > self.capacity:
                 evicted, _ = self.index.popitem(last=False)
-                self._meta.deletes.append(evicted)
+                self._meta.writes.append((-1, evicted))
         return False, None
 
     def has_pending_work(self) -> bool:
-        meta = self._meta
-        return bool(meta.saves or meta.loads or meta.deletes)
+        """Whether saves, deletes or loads wait for the next step."""
+        return bool(self._meta.writes or self._meta.loads)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata | None:
+        """The jobs gathered since the last step (``None`` when there are none)."""
         if not self.has_pending_work():
             return None
         meta, self._meta = self._meta, OffloadingMetadata()
@@ -155,15 +171,16 @@ class OffloadingConnector(KVConnectorBase):
             block_hash = self._loading.get(block_id)
             if block_hash is not None and block_hash in self.index:
                 del self.index[block_hash]
-                self._meta.deletes.append(block_hash)
+                self._meta.writes.append((-1, block_hash))
         self._loading.clear()
 
     # ---- worker side ----
     def _init_worker(self) -> None:
+        """The worker side: the KV tensors (registered later), the writer thread and its queue."""
         self._tensors: list[torch.Tensor] = []
-        self._pending: dict[BlockHash, bytes] = {}  # written by the thread, not yet on disk
+        self._pending: dict[BlockHash, bytes] = {}  # the latest payload queued per hash, not yet on disk
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[str, BlockHash] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[BlockHash, bytes | None] | None] = queue.Queue()  # payload None: delete
         self._out = KVConnectorOutput()
         self._writer = threading.Thread(target=self._write_loop, name="kilat-kv-offload", daemon=True)
         self._writer.start()
@@ -193,26 +210,26 @@ class OffloadingConnector(KVConnectorBase):
             offset += size
 
     def start_load_kv(self) -> None:
-        """Copy out this step's saves (before the forward overwrites them), then read and check its loads."""
+        """Copy out this step's saves (before the forward can overwrite them) and queue them and the deletes in
+        order, then read and check its loads; a request's loads stop at its first bad block (reported in
+        ``invalid_block_ids``; the blocks after it are not loaded, and stay in the tier)."""
         meta = self._metadata
         if not isinstance(meta, OffloadingMetadata):
             return
         stats = self._out.stats
-        for block_id, block_hash in meta.saves:
-            payload = self._block_bytes(block_id)
+        for block_id, block_hash in meta.writes:
+            payload = None if block_id < 0 else self._block_bytes(block_id)
             with self._lock:
-                self._pending[block_hash] = payload
-            self._jobs.put(("save", block_hash))
-            stats[f"{TIER}_saved_blocks"] = stats.get(f"{TIER}_saved_blocks", 0) + 1
-            stats[f"{TIER}_saved_bytes"] = stats.get(f"{TIER}_saved_bytes", 0) + len(payload)
-        for block_hash in meta.deletes:
-            self._jobs.put(("delete", block_hash))
+                if payload is None:
+                    self._pending.pop(block_hash, None)
+                else:
+                    self._pending[block_hash] = payload
+            self._jobs.put((block_hash, payload))
+            if payload is not None:
+                stats[f"{TIER}_saved_blocks"] = stats.get(f"{TIER}_saved_blocks", 0) + 1
+                stats[f"{TIER}_saved_bytes"] = stats.get(f"{TIER}_saved_bytes", 0) + len(payload)
         for request_id, jobs in meta.loads.items():
-            failed = False
             for block_id, block_hash in jobs:
-                if failed:  # a later block of a broken chain is of no use
-                    self._out.invalid_block_ids.add(block_id)
-                    continue
                 try:
                     with self._lock:
                         payload = self._pending.get(block_hash)
@@ -220,39 +237,33 @@ class OffloadingConnector(KVConnectorBase):
                 except CorruptBlockError as e:
                     logger.warning("KV offload tier: %s; recomputing it", e)
                     self._out.invalid_block_ids.add(block_id)
-                    failed = True
-                    continue
+                    break
                 self._put_block(block_id, payload)
                 stats[f"{TIER}_loaded_blocks"] = stats.get(f"{TIER}_loaded_blocks", 0) + 1
                 stats[f"{TIER}_loaded_bytes"] = stats.get(f"{TIER}_loaded_bytes", 0) + len(payload)
             self._out.finished_recving.add(request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """This step's loads (``finished_recving``, ``invalid_block_ids``) and transfer counters."""
         out, self._out = self._out, KVConnectorOutput()
         return out
 
     def _write_loop(self) -> None:
-        """The background writer: saves and deletes in the order they were queued."""
+        """The background writer: saves and deletes in the order they were queued. A failure is logged and the
+        block is then simply missing (a later load finds that out and recomputes it)."""
         while (job := self._jobs.get()) is not None:
-            kind, block_hash = job
+            block_hash, payload = job
             try:
-                if kind == "save":
-                    with self._lock:
-                        payload = self._pending[block_hash]
-                    self.store.write(block_hash, payload)
-                else:
+                if payload is None:
                     self.store.delete(block_hash)
-            except OSError as e:
-                logger.warning("KV offload tier: %s of block %s failed: %s", kind, block_hash.hex()[:16], e)
+                else:
+                    self.store.write(block_hash, payload)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive a bad write
+                logger.warning("KV offload tier: writing block %s failed: %s", block_hash.hex()[:16], e)
             finally:
-                if kind == "save":
-                    with self._lock:
-                        self._pending.pop(block_hash, None)
-                self._jobs.task_done()
-
-    def wait_for_save(self) -> None:
-        """Block until every queued write and delete is on disk."""
-        self._jobs.join()
+                with self._lock:
+                    if payload is not None and self._pending.get(block_hash) is payload:
+                        del self._pending[block_hash]
 
     def shutdown(self) -> None:
         """Finish the queued writes, then stop the writer thread."""
