@@ -164,8 +164,8 @@ class MultiprocExecutor(Executor):
             process = self.workers[rank]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(1.0)
-            raise WorkerDiedError(f"worker rank {rank} (pid {process.pid}) exited with code "
-                                  f"{process.poll()}") from e
+            self._check_alive()  # the usual message, with the exit code
+            raise WorkerDiedError(f"worker rank {rank} (pid {process.pid}) closed its connection") from e
         if not ok and self.world_size > 1:
             if self._loaded[0]:  # the other ranks may wait forever in a collective the failed one never joins
                 raise WorkerDiedError(f"worker rank {rank} failed ({type(payload).__name__}: {payload}); the "

@@ -216,7 +216,6 @@ class OffloadingConnector(KVConnectorBase):
         meta = self._metadata
         if not isinstance(meta, OffloadingMetadata):
             return
-        stats = self._out.stats
         for block_id, block_hash in meta.writes:
             payload = None if block_id < 0 else self._block_bytes(block_id)
             with self._lock:
@@ -226,8 +225,7 @@ class OffloadingConnector(KVConnectorBase):
                     self._pending[block_hash] = payload
             self._jobs.put((block_hash, payload))
             if payload is not None:
-                stats[f"{TIER}_saved_blocks"] = stats.get(f"{TIER}_saved_blocks", 0) + 1
-                stats[f"{TIER}_saved_bytes"] = stats.get(f"{TIER}_saved_bytes", 0) + len(payload)
+                self._count("saved", len(payload))
         for request_id, jobs in meta.loads.items():
             for block_id, block_hash in jobs:
                 try:
@@ -239,9 +237,15 @@ class OffloadingConnector(KVConnectorBase):
                     self._out.invalid_block_ids.add(block_id)
                     break
                 self._put_block(block_id, payload)
-                stats[f"{TIER}_loaded_blocks"] = stats.get(f"{TIER}_loaded_blocks", 0) + 1
-                stats[f"{TIER}_loaded_bytes"] = stats.get(f"{TIER}_loaded_bytes", 0) + len(payload)
+                self._count("loaded", len(payload))
             self._out.finished_recving.add(request_id)
+
+    def _count(self, verb: str, nbytes: int) -> None:
+        """Add one block of ``nbytes`` to this step's ``<tier>_<verb>_{blocks,bytes}`` counters."""
+        stats = self._out.stats
+        for unit, amount in (("blocks", 1), ("bytes", nbytes)):
+            key = f"{TIER}_{verb}_{unit}"
+            stats[key] = stats.get(key, 0) + amount
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """This step's loads (``finished_recving``, ``invalid_block_ids``) and transfer counters."""
