@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -364,6 +365,95 @@ def _json_object(cls: type, name: str, value: str | dict[str, Any]) -> dict[str,
     return value
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+"""What an instance does in disaggregated prefill/decode (vLLM's ``kv_role`` values)."""
+
+
+@dataclass
+class KVTransferConfig:
+    """Disaggregated prefill/decode (``--kv-transfer-config``, a JSON object; vLLM's ``KVTransferConfig`` keys).
+
+    A producer (the prefill instance) keeps the KV blocks of a request sent with ``kv_transfer_params``
+    ``{"do_remote_decode": true}`` after it finishes, and serves them on ``kv_ip:kv_port``; a consumer (the decode
+    instance) given the ``kv_transfer_params`` the producer returned pulls them instead of computing the prompt
+    (:mod:`kilat.kv_connector.tcp`).
+
+    Attributes:
+        kv_connector: the connector's name: ``"TcpConnector"`` (kilat's, over TCP).
+        kv_role: ``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"`` (either, per request).
+        kv_ip: the address a producer binds and tells consumers to pull from (this machine's address that the
+            decode instances reach; the loopback default serves one machine only).
+        kv_port: the TCP port a producer serves its blocks on (each producer on a machine needs its own).
+        engine_id: this instance's name in ``kv_transfer_params`` (``None``: a random one per server start,
+            so a restarted server is never mistaken for the old one; an engine core the server restarts keeps
+            it, and refuses pulls of the blocks the old core kept).
+        kv_connector_extra_config: the connector's own settings: ``abort_request_timeout`` (seconds a
+            producer keeps a request's blocks for its consumer, default 120; then they are freed and the
+            consumer computes the prompt itself) and ``transfer_timeout`` (seconds either side waits for any one
+            read or write of a pull, default 30; a consumer then computes the rest of the prompt itself).
+    """
+
+    kv_connector: str = "TcpConnector"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.kv_connector in TRANSFER_CONNECTORS, "kv_transfer_config.kv_connector",
+               f"must be one of {TRANSFER_CONNECTORS}, got {self.kv_connector!r}")
+        _check(self.kv_role in KV_ROLES, "kv_transfer_config.kv_role",
+               f"must be one of {KV_ROLES}, got {self.kv_role!r}")
+        _check(isinstance(self.kv_ip, str) and 0 < len(self.kv_ip) <= 255, "kv_transfer_config.kv_ip",
+               f"must be a host name or address, got {self.kv_ip!r}")
+        _check(isinstance(self.kv_port, int) and not isinstance(self.kv_port, bool) and 1 <= self.kv_port <= 65535,
+               "kv_transfer_config.kv_port", f"must be in [1, 65535], got {self.kv_port!r}")
+        _check(self.engine_id is None or (isinstance(self.engine_id, str) and 0 < len(self.engine_id) <= 128),
+               "kv_transfer_config.engine_id", f"must be a string of 1 to 128 characters, got {self.engine_id!r}")
+        extra = self.kv_connector_extra_config
+        _check(isinstance(extra, dict), "kv_transfer_config.kv_connector_extra_config",
+               f"must be an object, got {extra!r}")
+        unknown = sorted(set(extra) - set(TRANSFER_EXTRA_DEFAULTS))
+        _check(not unknown, "kv_transfer_config.kv_connector_extra_config",
+               f"unknown key(s) {unknown}; known: {sorted(TRANSFER_EXTRA_DEFAULTS)}")
+        for key, value in extra.items():
+            _check(isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 3600,
+                   f"kv_transfer_config.kv_connector_extra_config.{key}", f"must be in (0, 3600] s, got {value!r}")
+        if self.engine_id is None:
+            self.engine_id = uuid.uuid4().hex
+
+    def extra(self, key: str) -> float:
+        """A ``kv_connector_extra_config`` setting, or its default."""
+        return self.kv_connector_extra_config.get(key, TRANSFER_EXTRA_DEFAULTS[key])
+
+    @property
+    def is_producer(self) -> bool:
+        """Whether this instance serves its blocks to consumers."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Whether this instance pulls blocks from producers."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> KVTransferConfig:
+        """Build from a dict or its JSON text (``--kv-transfer-config '{"kv_role": "kv_producer"}'``).
+
+        Raises:
+            ValueError: invalid JSON, an unknown key or an invalid value, named.
+        """
+        return cls(**_json_object(cls, "kv_transfer_config", value))
+
+
+TRANSFER_CONNECTORS = ("TcpConnector",)
+"""The connectors ``kv_transfer_config.kv_connector`` can name."""
+
+TRANSFER_EXTRA_DEFAULTS = {"abort_request_timeout": 120.0, "transfer_timeout": 30.0}
+"""``kv_connector_extra_config`` keys and their defaults in seconds (:class:`KVTransferConfig`)."""
+
+
 @dataclass
 class StructuredOutputsConfig:
     """How the engine core compiles structured-outputs grammars (``--structured-outputs-config``, a JSON
@@ -424,6 +514,9 @@ class EngineArgs:
             text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; ``None`` turns it off.
         structured_outputs_config: grammar compiles, as a dict of :class:`StructuredOutputsConfig` fields or its
             JSON text, e.g. ``{"compile_timeout_s": 5, "cache_size_mb": 256}``; ``None`` keeps the defaults.
+        kv_transfer_config: disaggregated prefill/decode, as a dict of :class:`KVTransferConfig` fields or its
+            JSON text, e.g. ``{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 14579}``;
+            ``None`` turns it off.
     """
 
     model: str | None = ModelConfig.model
@@ -456,6 +549,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     speculative_config: str | dict[str, Any] | None = None
     structured_outputs_config: str | dict[str, Any] | None = None
+    kv_transfer_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), "device",
@@ -521,9 +615,19 @@ class EngineArgs:
         _check(cache.kv_offloading_size is None or parallel.world_size * parallel.data_parallel_size == 1,
                "kv_offloading_size", "runs with tensor_parallel_size, pipeline_parallel_size and "
                "data_parallel_size 1 only (for now)")
+        kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer is not None:
+            _check(cache.kv_offloading_size is None, "kv_transfer_config",
+                   "and kv_offloading_size cannot be combined yet (one KV connector per engine)")
+            _check(parallel.world_size * parallel.data_parallel_size == 1, "kv_transfer_config",
+                   "runs with tensor_parallel_size, pipeline_parallel_size and data_parallel_size 1 only (for now)")
+            _check(not kv_transfer.is_consumer or cache.enable_prefix_caching, "kv_transfer_config",
+                   f"kv_role {kv_transfer.kv_role!r} needs enable_prefix_caching (pulled blocks join the prefix "
+                   f"cache)")
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), parallel=parallel, speculative=speculative,
-                            structured_outputs=structured_outputs, device=device, num_threads=self.num_threads)
+                            structured_outputs=structured_outputs, kv_transfer=kv_transfer, device=device,
+                            num_threads=self.num_threads)
 
     def _warn_ignored(self, device: str) -> None:
         """Log each flag set to a non-default value that ``device`` does not use."""
@@ -593,6 +697,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    kv_transfer: KVTransferConfig | None = None
     device: str = "cpu"
     num_threads: int | None = None
     frontend_pid: int | None = None
@@ -600,4 +705,6 @@ class EngineConfig:
     @property
     def kv_connector_name(self) -> str | None:
         """The KV connector this engine runs (:data:`kilat.kv_connector.base.KV_CONNECTORS`), or ``None``."""
+        if self.kv_transfer is not None:
+            return self.kv_transfer.kv_connector
         return "OffloadingConnector" if self.cache.kv_offloading_size is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -120,6 +121,8 @@ class RequestOutput:
         finished: all completions finished.
         metrics: timings and counts.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        kv_transfer_params: a prefill instance's answer for the decode instance (disaggregated prefill/decode,
+            vLLM's field), or ``None``.
     """
 
     request_id: str
@@ -130,3 +133,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None

@@ -111,6 +111,8 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces around added tokens in the text, for slow tokenizers only
             (fast tokenizers' decode ignores it, as in Hugging Face and vLLM).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (xgrammar).
+        extra_args: further arguments for engine plugins (vLLM's field); kilat reads ``"kv_transfer_params"``
+            (disaggregated prefill/decode, :mod:`kilat.kv_connector.tcp`).
     """
 
     n: int = 1
@@ -134,6 +136,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,6 +212,8 @@ class SamplingParams:
             raise bad("logit_bias", "a map of token id to a bias in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "a StructuredOutputsParams")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "a dict or None")
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from kilat.config import EngineConfig
-from kilat.core.engine_core import EngineCore, EngineCoreOutput, StepFailed
+from kilat.core.engine_core import TRANSFER_POLL_S, EngineCore, EngineCoreOutput, StepFailed
 from kilat.core.request import EngineCoreRequest, RequestStatus
 from kilat.executor.abstract import WorkerDiedError
 from kilat.metrics.stats import EngineStats
@@ -124,25 +124,31 @@ class EngineCoreProc:
             raise SystemExit(0)
 
     def _can_step(self) -> bool:
-        """True when a step has something to do (a request that is not only waiting for its grammar)."""
-        return self.core.has_unfinished_requests() and not self.core.waits_only_for_grammars()
+        """True when a step has something to do at once (a request that is not only waiting for its grammar or
+        for a KV transfer)."""
+        return (self.core.has_unfinished_requests() and not self.core.waits_only_for_grammars()
+                and not self.core.waits_only_for_transfers())
 
     def _sleep(self) -> bool:
-        """Block until a frontend message arrives or a grammar compile ends, for at most ``_PARENT_CHECK_S``;
-        True when either happened."""
+        """Block until a frontend message arrives or a grammar compile ends, for at most ``_PARENT_CHECK_S``
+        (``TRANSFER_POLL_S`` while KV transfers are in flight, which the step after it polls); True when a
+        step is due."""
+        polling = self.core.has_transfers_in_flight()
+        timeout_ms = int((TRANSFER_POLL_S if polling else _PARENT_CHECK_S) * 1000)
         fd = self.core.grammar_wakeup_fd
         if fd is None:
-            return bool(self.input.poll(int(_PARENT_CHECK_S * 1000)))
+            return bool(self.input.poll(timeout_ms)) or polling
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
         poller.register(fd, zmq.POLLIN)
-        events = poller.poll(int(_PARENT_CHECK_S * 1000))
+        events = poller.poll(timeout_ms)
         self.core.drain_grammar_wakeups()
-        return bool(events)
+        return bool(events) or polling
 
     def run(self) -> None:
         """Loop until :class:`Shutdown` or SIGTERM. With nothing to step (no request, or only requests waiting
-        for their grammars) it sleeps; it sends a message only after a step or a frontend message."""
+        for their grammars) it sleeps; while only KV transfers are in flight it polls the workers every
+        ``TRANSFER_POLL_S``; it sends a message only after a step or a frontend message."""
         while True:
             if not self._can_step() and not self._sleep():
                 continue
@@ -152,7 +158,9 @@ class EngineCoreProc:
             while self.input.poll(0):
                 received = True
                 self._handle(pickle.loads(self.input.recv()), outputs)
-            if self._can_step():
+            poll_only = not self._can_step()
+            if not poll_only or self.core.has_transfers_in_flight():
+                usage = self.core.kv.usage
                 try:
                     outputs += self.core.step()
                 except StepFailed as e:
@@ -160,6 +168,8 @@ class EngineCoreProc:
                     error = str(e)
                     outputs += [EngineCoreOutput(rid, [], None, finish_reason="abort", error=RequestError(error))
                                 for rid in e.request_ids]
+                if poll_only and not (outputs or received or error) and self.core.kv.usage == usage:
+                    continue  # a poll that changed nothing the frontend sees
             elif not received:
                 continue
             _send(self.output, EngineCoreOutputs(outputs, self.core.update_gauges(), error=error))

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kilat.config import EngineConfig
 from kilat.core.kv_cache_manager import KVCacheManager
@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kilat")
 
+TRANSFER_POLL_S = 0.005
+"""Seconds between the empty steps that poll the workers for finished KV transfers while nothing else runs
+(:meth:`EngineCore.waits_only_for_transfers`)."""
+
 
 @dataclass
 class EngineCoreOutput:
@@ -44,6 +48,8 @@ class EngineCoreOutput:
         metrics: the request's timings, sent with its first token and when it finishes.
         error: why the engine ended this request (finish reason ``"abort"``), e.g. its grammar failed to
             compile or ran past the compile time limit; only this request's client sees it.
+        kv_transfer_params: with its finish, what the KV connector returned for the client (a prefill
+            instance's ``kv_transfer_params`` that tell the decode instance where to pull the KV), or ``None``.
     """
 
     request_id: str
@@ -55,6 +61,7 @@ class EngineCoreOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     error: RequestError | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StepFailed(RuntimeError):
@@ -100,6 +107,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.batch_queue: deque[_Batch] = deque()  # submitted steps not yet collected, oldest first
         self._num_scheduled_tokens = self._num_preempted = 0  # of the last schedule, for the step's stats
+        self._idle = False  # the last step changed nothing (waits_only_for_transfers)
         self.structured_outputs: StructuredOutputManager | None = None
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (max_model_len %d), kv_cache_dtype %s (%s, "
                     "%d bytes per block)", info.num_blocks, config.cache.block_size,
@@ -127,6 +135,7 @@ class EngineCore:
         Raises:
             ValueError: a request id is already in use (none of the group is queued then).
         """
+        self._idle = False
         clash = [r.request_id for r in group
                  if r.request_id in self.scheduler.requests or r.request_id in self.scheduler.in_flight]
         if clash:
@@ -157,6 +166,20 @@ class EngineCore:
         submitted step waits to be collected."""
         return not self.batch_queue and self.scheduler.waits_only_for_grammars()
 
+    def has_transfers_in_flight(self) -> bool:
+        """Whether the KV connector's workers owe a report (loads of parked requests, sends of finished ones):
+        then the core keeps stepping, at least every :data:`TRANSFER_POLL_S`, even with no request to run."""
+        return self.scheduler.has_transfers_in_flight()
+
+    def waits_only_for_transfers(self) -> bool:
+        """True when a step could only poll the workers for KV transfers: the last step changed nothing (no
+        token scheduled, no output, no transfer ended) and no request came or went since, no submitted step or
+        connector job is pending, and a transfer is in flight (requests may wait, e.g. for the blocks a prefill
+        instance keeps). The caller then sleeps :data:`TRANSFER_POLL_S` (or until a message) before stepping,
+        instead of spinning."""
+        return (self._idle and not self.batch_queue and self.scheduler.has_transfers_in_flight()
+                and not (self.connector is not None and self.connector.has_pending_work()))
+
     @property
     def grammar_wakeup_fd(self) -> int | None:
         """A file descriptor that becomes readable when a grammar compile ends, once structured outputs are in
@@ -172,6 +195,7 @@ class EngineCore:
                        save_kv: bool = True) -> list[Request]:
         """Finish the given requests (``abort`` by default) and free their blocks (``save_kv=False``: without
         offering them to the KV connector, whose copy could hold KV a failed step never wrote)."""
+        self._idle = False
         finished = self.scheduler.finish_requests(request_ids, status, save_kv)
         for request in finished:
             self.stats.finished_by_reason[request.status.finish_reason] += 1
@@ -198,11 +222,14 @@ class EngineCore:
         last.kv_cache_usage = self.kv.usage
         return self.stats
 
-    def _fail_step(self, sched: SchedulerOutput) -> list[str]:
-        """The step's KV was not (fully) written: abort its requests, and those whose KV it was to load (their
-        loads may not have run), without saving their blocks, and drop every cached hash, so that no later
-        request reuses a block holding garbage; other requests simply recompute. Returns the aborted ids."""
-        failed = list(sched.num_scheduled_tokens) + list(self.scheduler.waiting_for_remote_kvs)
+    def _fail_step(self, sched: SchedulerOutput, sent: bool) -> list[str]:
+        """The step's KV was not (fully) written: abort its requests without saving their blocks, and drop every
+        cached hash, so that no later request reuses a block holding garbage; other requests simply recompute.
+        Requests waiting for their KV stay parked: the workers report every load they were sent, and the KV
+        connector's jobs of a step that was never ``sent`` are queued again. Returns the aborted ids."""
+        if not sent and self.connector is not None and sched.kv_connector_metadata is not None:
+            self.connector.requeue_connector_meta(sched.kv_connector_metadata)
+        failed = list(sched.num_scheduled_tokens)
         self.abort_requests(failed, save_kv=False)
         self.scheduler.finished_req_ids |= sched.finished_req_ids  # the runner may not have dropped them
         self.kv.pool.reset_prefix_cache()
@@ -244,8 +271,11 @@ class EngineCore:
         outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
                    for r in self.abort_requests(list(failed))]
         submitted = len(self.batch_queue) < self.executor.max_concurrent_batches and self._schedule_and_submit()
+        transfers_ended = False
         if self.batch_queue and (not submitted or len(self.batch_queue) == self.executor.max_concurrent_batches):
-            outputs += self._collect_oldest()
+            collected, transfers_ended = self._collect_oldest()
+            outputs += collected
+        self._idle = not outputs and not self._num_scheduled_tokens and not transfers_ended
         self.stats.prefix_cache_queries = self.kv.prefix_queries
         self.stats.prefix_cache_hits = self.kv.prefix_hits
         self.stats.external_prefix_cache_hits = self.scheduler.num_external_hits
@@ -278,14 +308,14 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:  # the grammar matchers raised, or the step could not be sent (e.g. not picklable)
-            raise StepFailed(self._fail_step(sched), e) from e
+            raise StepFailed(self._fail_step(sched, sent=False), e) from e
         self.scheduler.in_flight.update(requests)
         self.batch_queue.append(_Batch(sched, requests, {rid: r.num_output_tokens for rid, r in requests.items()}))
         return True
 
-    def _collect_oldest(self) -> list[EngineCoreOutput]:
+    def _collect_oldest(self) -> tuple[list[EngineCoreOutput], bool]:
         """Wait for the oldest submitted batch, update the scheduler from its output and turn that into outputs
-        (none for requests aborted while the batch was in flight).
+        (none for requests aborted while the batch was in flight); also whether a KV transfer ended.
 
         Raises:
             StepFailed, WorkerDiedError: as :meth:`step`.
@@ -297,13 +327,15 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:  # the model or the draft model raised
-            raise StepFailed(self._fail_step(sched), e) from e
+            raise StepFailed(self._fail_step(sched, sent=True), e) from e
         finally:
             self.scheduler.in_flight.difference_update(requests)
         now = time.time()
         outputs = []
-        if result.kv_connector_output is not None:
-            self.stats.kv_offload.update(result.kv_connector_output.stats)
+        kv_out = result.kv_connector_output
+        if kv_out is not None:
+            self.stats.kv_offload.update(kv_out.stats)
+        transfers_ended = kv_out is not None and bool(kv_out.finished_recving or kv_out.finished_sending)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result)}
         for rid, request in requests.items():
             if rid not in result.sampled_token_ids or (rid not in finished and rid not in self.scheduler.requests):
@@ -332,10 +364,11 @@ class EngineCore:
                 prompt_logprobs=request.prompt_logprobs if first and
                 request.sampling_params.prompt_logprobs is not None else None,
                 metrics=metrics if first or rid in finished else None,
+                kv_transfer_params=request.kv_transfer_result if rid in finished else None,
             ))
             if rid in finished:
                 self.stats.finished_by_reason[request.status.finish_reason] += 1
-        return outputs
+        return outputs, transfers_ended
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kilat.core.block_hash import BlockHash
 from kilat.outputs import PositionLogprobs, RequestMetrics
@@ -127,6 +127,10 @@ class Request(TokenSequence):
         self.block_hashes: list[BlockHash] = []  # of its full blocks, extended by the KVCacheManager
         self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
+        # disaggregated prefill/decode (kilat.kv_connector.tcp): what the client sent, and what the connector
+        # returned when the request finished
+        self.kv_transfer_params: dict[str, Any] | None = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.kv_transfer_result: dict[str, Any] | None = None
 
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, group_leader: Request | None = None) -> Request:

@@ -23,7 +23,10 @@ With a KV connector (:mod:`kilat.kv_connector.base`), a waiting request whose pr
 prefix-cache hit with blocks the connector holds gets those blocks allocated and waits
 (``WAITING_FOR_REMOTE_KVS``, in :attr:`Scheduler.waiting_for_remote_kvs`) until the worker reports them loaded;
 the intact ones then join the prefix cache, its blocks are freed, and it rejoins the front of the queue, whose
-admission finds them as a local hit.
+admission finds them as a local hit. A parked request that is aborted keeps its blocks until its load is
+reported (:attr:`Scheduler.aborted_loads`). A finished request whose blocks the connector asked to keep (a
+prefill instance's, for its decode instance) waits in :attr:`Scheduler.sending` until the worker reports them
+sent.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class Scheduler:
 
     Attributes:
         num_external_hits: prompt tokens the connector supplied (loaded intact), over all requests.
+        waiting_for_remote_kvs: parked requests whose blocks are loading, by id.
+        aborted_loads: requests aborted while parked, holding their blocks until the load is reported, by id.
+        sending: finished requests whose blocks the connector keeps until they are sent, by id.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
@@ -61,6 +67,8 @@ class Scheduler:
         self.config = config
         self.connector = connector
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # loading their blocks (module docs)
+        self.aborted_loads: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}
         self._parked: dict[str, tuple[RequestStatus, bool]] = {}  # their status before, and first admission?
         self.num_external_hits = 0
         self.max_concurrent_batches = max_concurrent_batches
@@ -81,6 +89,11 @@ class Scheduler:
         """Requests waiting (for the model or for their KV) or running."""
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
 
+    def has_transfers_in_flight(self) -> bool:
+        """Whether the connector's worker side still owes a report: a load of a parked (or aborted) request, or
+        the send of a finished one's blocks."""
+        return bool(self.waiting_for_remote_kvs or self.aborted_loads or self.sending)
+
     def add_request(self, request: Request) -> None:
         """Queue a new request (FCFS).
 
@@ -94,34 +107,44 @@ class Scheduler:
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, save_kv: bool = True) -> list[Request]:
         """End the given unfinished requests with ``status`` and free their blocks (offered to the KV connector
-        first unless ``save_kv`` is False); unknown ids are skipped."""
+        first unless ``save_kv`` is False); unknown ids are skipped. A parked request's blocks are freed when its
+        load is reported (:attr:`aborted_loads`; the connector learns of the end and may stop the load)."""
         finished = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            elif loading:
                 del self.waiting_for_remote_kvs[rid]
                 del self._parked[rid]
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._release(request, save_kv)
+            if loading:
+                self.aborted_loads[rid] = request
+            self._release(request, save_kv, free=not loading)
             finished.append(request)
         return finished
 
     def _free_blocks(self, request: Request, save_kv: bool = True) -> None:
-        """Free the request's blocks, first offering them to the connector (which may save them) unless
-        ``save_kv`` is False. Delaying the freeing (a connector's ``request_finished`` returning True) is not
-        supported yet."""
+        """Free the request's blocks, first offering them to the connector (which may save or keep them) unless
+        ``save_kv`` is False; blocks the connector keeps wait in :attr:`sending`."""
         if self.connector is not None and save_kv:
-            self.connector.request_finished(request, self.kv.get_block_ids(request))
+            delay, request.kv_transfer_result = self.connector.request_finished(request, self.kv.get_block_ids(request))
+            if delay:
+                self.sending[request.request_id] = request
+                return
         self.kv.free(request)
 
-    def _release(self, request: Request, save_kv: bool = True) -> None:
-        self._free_blocks(request, save_kv)
+    def _release(self, request: Request, save_kv: bool = True, free: bool = True) -> None:
+        """Forget an ended request, freeing its blocks unless ``free`` is False (they are freed later)."""
+        if free:
+            self._free_blocks(request, save_kv)
+        elif self.connector is not None:
+            request.kv_transfer_result = self.connector.request_finished(request, [])[1]
         if request.grammar is not None:
             request.grammar.cancel()  # stops a compile that no other request waits for
         request.grammar = None
@@ -257,7 +280,7 @@ class Scheduler:
         """Ask the connector for the prompt's blocks after the local hit; when it has some, allocate them (outside
         the prefix cache until they arrive), park the request until they are loaded and return True (False: no
         connector, a request that does not use the prefix cache, nothing to load, too many requests, or no room;
-        the request then computes them). Loads are always handled as asynchronous (one step)."""
+        the request then computes them). Every load is handled as asynchronous: reported in a later step's output."""
         if self.connector is None or not self.kv.uses_prefix_cache(request) or \
                 len(self.running) + len(self.waiting_for_remote_kvs) >= self.config.max_num_seqs:
             return False
@@ -282,8 +305,13 @@ class Scheduler:
         queue."""
         output = result.kv_connector_output
         self.connector.update_connector_output(output)
+        for rid in output.finished_sending:
+            if (request := self.sending.pop(rid, None)) is not None:
+                self.kv.free(request)
         bs = self.kv.block_size
         for rid in output.finished_recving:
+            if (request := self.aborted_loads.pop(rid, None)) is not None:
+                self.kv.free(request)
             request = self.waiting_for_remote_kvs.pop(rid, None)
             if request is None:  # aborted while loading
                 continue

@@ -193,7 +193,8 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         try:
             self.tokenizer, self.input_processor, self.output_processor = build_processors(
-                self.config.model, ready.hf_config, ready.max_model_len)
+                self.config.model, ready.hf_config, ready.max_model_len,
+                None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role)
         except BaseException:
             for client in clients:
                 client.shutdown()

@@ -14,6 +14,7 @@ from typing import Any
 
 from kilat.core.block_hash import check_cache_salt
 from kilat.core.request import EngineCoreRequest
+from kilat.kv_connector.tcp_wire import check_kv_transfer_params
 from kilat.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -35,11 +36,14 @@ class InputProcessor:
         eos_token_id: the model's EOS id, or ``None``.
         extra_eos_token_ids: further ids that end a turn (from the model's generation config); like vLLM,
             they join each request's ``stop_token_ids`` unless it sets ``ignore_eos``.
+        kv_role: the engine's ``kv_transfer_config.kv_role``, or ``None`` (requests' ``kv_transfer_params`` are
+            then refused).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_id: int | None,
-                 extra_eos_token_ids: set[int] | frozenset[int] = frozenset()):
+                 extra_eos_token_ids: set[int] | frozenset[int] = frozenset(), kv_role: str | None = None):
         self.tokenizer = tokenizer
+        self.kv_role = kv_role
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -120,6 +124,7 @@ class InputProcessor:
             from kilat.structured_outputs.grammar import validate_structured_outputs
 
             validate_structured_outputs(params.structured_outputs)
+        self._check_kv_transfer(params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
@@ -128,6 +133,25 @@ class InputProcessor:
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = sorted(set(stop_ids) | self.extra_eos_token_ids)
         return replace(params, max_tokens=params.max_tokens or room, stop_token_ids=stop_ids)
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """Check ``extra_args["kv_transfer_params"]`` against this engine's ``kv_role``.
+
+        Raises:
+            ValueError: malformed (:func:`~kilat.kv_connector.tcp_wire.check_kv_transfer_params`), sent to an
+                engine without ``kv_transfer_config`` or of the wrong role, or a remote decode with ``n > 1``.
+        """
+        kv = check_kv_transfer_params((params.extra_args or {}).get("kv_transfer_params"))
+        if kv is None:
+            return
+        if self.kv_role is None:
+            raise ValueError("kv_transfer_params: this instance runs without kv_transfer_config (it takes no part "
+                             "in disaggregated prefill/decode)")
+        for flag, role in (("do_remote_decode", "kv_producer"), ("do_remote_prefill", "kv_consumer")):
+            if kv.get(flag) and self.kv_role not in (role, "kv_both"):
+                raise ValueError(f"kv_transfer_params.{flag}: this instance's kv_role is {self.kv_role!r}")
+        if kv.get("do_remote_decode") and params.n > 1:
+            raise ValueError(f"kv_transfer_params.do_remote_decode needs n = 1, got {params.n}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 add_special_tokens: bool = True,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import selectors
+import time
 import weakref
 from typing import Any
 
 from kilat.config import EngineArgs
-from kilat.core.engine_core import EngineCore
+from kilat.core.engine_core import TRANSFER_POLL_S, EngineCore
 from kilat.core.request import RequestStatus
 from kilat.engine.input_processor import PromptType
 from kilat.engine.processors import build_processors
@@ -37,7 +38,8 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.hf_config = self.core.info.hf_config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(
-            self.config.model, self.hf_config, self.core.max_model_len)
+            self.config.model, self.hf_config, self.core.max_model_len,
+            None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role)
         self._ids = itertools.count()
         # a dropped engine stops its grammar compile workers too (they are processes of their own)
         self._finalizer = weakref.finalize(self, self.core.shutdown)
@@ -79,13 +81,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests it updated. While every request only waits for its grammar
-        to compile, it first sleeps until a compile ends (at most ``_GRAMMAR_WAIT_S``) instead of spinning."""
+        to compile, it first sleeps until a compile ends (at most ``_GRAMMAR_WAIT_S``) instead of spinning; while
+        only KV transfers are in flight, ``TRANSFER_POLL_S``. A step also frees the blocks a prefill instance
+        kept for a decode instance once they were pulled (an offline producer frees them on its next step)."""
         fd = self.core.grammar_wakeup_fd
         if fd is not None and self.core.has_unfinished_requests() and self.core.waits_only_for_grammars():
             with selectors.DefaultSelector() as selector:
                 selector.register(fd, selectors.EVENT_READ)
                 selector.select(_GRAMMAR_WAIT_S)
             self.core.drain_grammar_wakeups()
+        elif self.core.waits_only_for_transfers():
+            time.sleep(TRANSFER_POLL_S)
         outputs, to_abort = self.output_processor.process_outputs(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)

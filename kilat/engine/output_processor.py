@@ -128,6 +128,8 @@ class OutputProcessor:
                 self._decode_logprobs(co.prompt_logprobs[1:])
                 state.output.prompt_logprobs = co.prompt_logprobs
             state.output.num_cached_tokens = co.num_cached_tokens
+            if co.kv_transfer_params is not None:
+                state.output.kv_transfer_params = co.kv_transfer_params
             finish_reason, stop_reason = co.finish_reason, co.stop_reason
             if stop_str is not None:
                 if finish_reason is None:

@@ -30,14 +30,15 @@ def _config_eos_ids(hf_config: Any, source: ModelSource) -> set[int]:
     return ids
 
 
-def build_processors(model_config: ModelConfig, hf_config: Any,
-                     max_model_len: int) -> tuple[Any, InputProcessor, OutputProcessor]:
+def build_processors(model_config: ModelConfig, hf_config: Any, max_model_len: int,
+                     kv_role: str | None = None) -> tuple[Any, InputProcessor, OutputProcessor]:
     """Load the tokenizer and make the input and output processors for one model.
 
     Args:
         model_config: the engine's model configuration (model and tokenizer paths).
         hf_config: the model's transformers config (``vocab_size``, ``eos_token_id``).
         max_model_len: the engine's context limit in tokens.
+        kv_role: the engine's ``kv_transfer_config.kv_role``, or ``None``.
 
     Returns:
         (tokenizer, input processor, output processor).
@@ -53,5 +54,5 @@ def build_processors(model_config: ModelConfig, hf_config: Any,
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None and eos_ids:
         eos = min(eos_ids)
-    input_processor = InputProcessor(tokenizer, hf_config.vocab_size, max_model_len, eos, eos_ids - {eos})
+    input_processor = InputProcessor(tokenizer, hf_config.vocab_size, max_model_len, eos, eos_ids - {eos}, kv_role)
     return tokenizer, input_processor, OutputProcessor(tokenizer)

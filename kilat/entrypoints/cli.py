@@ -1,5 +1,6 @@
-"""The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat bench`` (benchmarks),
-``kilat generate`` and an interactive, streaming ``kilat chat``."""
+"""The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat proxy`` (one endpoint in front
+of disaggregated prefill and decode servers), ``kilat bench`` (benchmarks), ``kilat generate`` and an
+interactive, streaming ``kilat chat``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kilat.config import (
     CacheConfig,
     EngineArgs,
     ExecutionConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -105,6 +107,7 @@ def engine_arg_help() -> dict[str, str]:
     docs["speculative_config"] += f" Keys: {', '.join(f.name for f in dataclasses.fields(SpeculativeConfig))}."
     docs["structured_outputs_config"] += " Keys (defaults): " + ", ".join(
         f"{f.name} ({f.default})" for f in dataclasses.fields(StructuredOutputsConfig)) + "."
+    docs["kv_transfer_config"] += f" Keys: {', '.join(f.name for f in dataclasses.fields(KVTransferConfig))}."
     for f in dataclasses.fields(EngineArgs):
         if f.metadata.get("size") and f.name in docs:
             docs[f.name] += f" Accepts {SIZE_FORMAT}."
@@ -299,6 +302,35 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                              "such as systemd or Kubernetes to restart the server (as vLLM does)")
 
 
+def cmd_proxy(ns: argparse.Namespace) -> None:
+    """Serve the disaggregated prefill/decode proxy until SIGINT or SIGTERM."""
+    from kilat.entrypoints.disagg_proxy import run_proxy
+
+    run_proxy(ns.prefill, ns.decode, host=ns.host, port=ns.port, timeout=ns.timeout, api_key=ns.api_key,
+              log_level=ns.uvicorn_log_level)
+
+
+def _proxy_args(parser: argparse.ArgumentParser) -> None:
+    """``kilat proxy``'s flags."""
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="base URL of each prefill instance (kilat serve), used in turn, e.g. "
+                             "http://127.0.0.1:8100; a trailing / or /v1 is ignored (default: none, required)")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="base URL of each decode instance, used in turn; the first also answers GET "
+                             "/v1/models (default: none, required)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for the whole prefill call, and for the decode call to connect and to send "
+                             "each piece of its answer (a non-streamed answer is one piece); 504 when exceeded")
+    parser.add_argument("--api-key", default=os.environ.get("KILAT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (forwarded upstream) "
+                             "(default: $KILAT_API_KEY)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the HTTP server (uvicorn)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kilat`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="kilat", description="Kilat LLM inference engine",
@@ -310,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    proxy = sub.add_parser("proxy", help="one OpenAI endpoint in front of disaggregated prefill and decode servers",
+                           description="Send each completion first to a prefill instance (max_tokens 1, "
+                                       "kv_transfer_params do_remote_decode), then to a decode instance with the "
+                                       "kv_transfer_params the prefill answered; relay the decode's answer.",
+                           formatter_class=HelpFormatter)
+    _proxy_args(proxy)
+    proxy.set_defaults(func=cmd_proxy)
     gen = sub.add_parser("generate", help="generate completions offline", formatter_class=HelpFormatter)
     add_engine_args(gen)
     _sampling_args(gen)

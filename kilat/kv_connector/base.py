@@ -14,14 +14,23 @@ A step, with a connector:
    allocates their blocks (outside the prefix cache), calls :meth:`update_state_after_alloc` and parks the
    request (``WAITING_FOR_REMOTE_KVS``) until the worker reports it in ``finished_recving``; the blocks up to
    the first of ``invalid_block_ids`` then join the prefix cache and the request is admitted again, finding
-   them as a local hit (kilat runs every load this way, asynchronous by one step).
+   them as a local hit (kilat runs every load this way, asynchronously: the offload tier's within the step that
+   carries it, a pull from another engine over as many steps as it takes).
 2. Scheduler, at the end of ``schedule()``: :meth:`build_connector_meta` → this step's jobs.
 3. Worker (``ModelRunner.execute``), before the forward: :meth:`bind_connector_metadata`,
    :meth:`start_load_kv`; after it :meth:`get_finished`, :meth:`clear_connector_metadata`. (vLLM's layer-wise
    hooks, ``wait_for_layer_load`` and ``save_kv_layer``, come with the first connector that streams layers.)
-4. Scheduler, with the step's output: :meth:`update_connector_output`; before it frees a request's blocks
-   (finished, aborted or preempted): :meth:`request_finished` (delaying the freeing, vLLM's ``True``, is not
-   supported yet).
+4. Scheduler, with the step's output: :meth:`update_connector_output` (a step that failed before it was sent:
+   :meth:`requeue_connector_meta`); before it frees a request's blocks
+   (finished, aborted or preempted): :meth:`request_finished`, which may delay the freeing (vLLM's ``True``:
+   a prefill instance keeps them for its decode instance) until the worker reports the request in
+   ``finished_sending``; its ``kv_transfer_params`` reach the client with the request's finish.
+
+While loads or sends are in flight and nothing else runs, the engine core polls the workers with empty steps
+(every few milliseconds, :data:`kilat.core.engine_core.TRANSFER_POLL_S`), for which
+:meth:`build_connector_meta` returns metadata even without new jobs. A parked request that is aborted keeps its
+blocks until its load is reported, so that a late write never lands in a block that was handed on; the worker
+side must report every load it was sent, whatever happens to it.
 
 Without a connector (``None``, the default) none of this runs: no cost.
 """
@@ -79,6 +88,8 @@ class KVConnectorOutput:
 
     Attributes:
         finished_recving: requests whose asynchronous load ended (successfully or not).
+        finished_sending: requests whose delayed blocks (:meth:`KVConnectorBase.request_finished` returned
+            True) may now be freed: their transfer ended, failed or timed out.
         invalid_block_ids: blocks whose load failed (missing, truncated or corrupt data): the scheduler
             recomputes them.
         stats: counters of this step's transfers (connector-defined names → numbers), summed into the
@@ -86,6 +97,7 @@ class KVConnectorOutput:
     """
 
     finished_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -121,13 +133,19 @@ class KVConnectorBase:
         state."""
         return None
 
+    def requeue_connector_meta(self, metadata: KVConnectorMetadata) -> None:
+        """A step carrying ``metadata`` (from :meth:`build_connector_meta`) never reached the workers (it failed
+        before it was sent): queue its jobs again, ahead of those gathered since, so the next step carries
+        them (a load that is never run would leave its request waiting for good)."""
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Learn what the worker side did in a step."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended (or was preempted) and its blocks (``block_ids``, in token order) are about to be
-        freed. Returns vLLM's pair: whether to delay freeing them (must be False for now) and the
-        ``kv_transfer_params`` for the client (``None``; not passed on yet)."""
+        freed. Returns vLLM's pair: whether to delay freeing them until the worker side reports the request in
+        ``finished_sending`` (never for a preempted request), and the ``kv_transfer_params`` for the client
+        (``None``: none)."""
         return False, None
 
     def has_pending_work(self) -> bool:
@@ -161,6 +179,7 @@ class KVConnectorBase:
 
 KV_CONNECTORS: dict[str, str] = {
     "OffloadingConnector": "kilat.kv_connector.offloading:OffloadingConnector",
+    "TcpConnector": "kilat.kv_connector.tcp:TcpConnector",
 }
 """Connector name (``EngineConfig.kv_connector_name``) → ``module:class``, imported on first use."""
 

@@ -18,14 +18,11 @@ its blocks and another model never reads them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +35,7 @@ from kilat.kv_connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from kilat.kv_connector.block_io import BlockIO, kv_namespace
 from kilat.kv_connector.disk_store import CorruptBlockError, DiskBlockStore
 
 if TYPE_CHECKING:
@@ -66,28 +64,6 @@ class OffloadingMetadata(KVConnectorMetadata):
     loads: dict[str, list[tuple[int, BlockHash]]] = field(default_factory=dict)
 
 
-def _weights_fingerprint(config: EngineConfig) -> list[tuple[str, int, int]]:
-    """Name, size and modification time of the model's file, or of the weight and config files of its
-    directory: weights replaced in place get a new namespace (and so never meet KV of the old ones)."""
-    from kilat.model_executor.loader.source import resolve_model_source
-
-    path = Path(resolve_model_source(config.model.model, config.model.load_format).path)
-    files = [path] if path.is_file() else sorted(
-        f for f in path.glob("*") if f.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".json"))
-    return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
-
-
-def namespace(config: EngineConfig, spec: KVCacheSpec) -> str:
-    """The tier's subdirectory for this engine's blocks: a hash of the model (its path and its files' sizes and
-    modification times), its dtypes and the KV layout."""
-    key = {"model": str(config.model.model), "weights": _weights_fingerprint(config),
-           "quantization": config.model.quantization, "dtype": spec.dtype,
-           "kv_cache_dtype": spec.kv_cache_dtype, "block_size": spec.block_size,
-           "bytes_per_block": spec.bytes_per_block,
-           "draft": None if config.speculative is None else str(config.speculative.model)}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
 class OffloadingConnector(KVConnectorBase):
     """Saves freed prefix-cache blocks to a disk tier and loads them back on a prefix hit (module docs).
 
@@ -97,7 +73,7 @@ class OffloadingConnector(KVConnectorBase):
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_cache_spec: KVCacheSpec):
         super().__init__(config, role, kv_cache_spec)
-        directory = f"{config.cache.kv_offloading_path}/{namespace(config, kv_cache_spec)}"
+        directory = f"{config.cache.kv_offloading_path}/{kv_namespace(config, kv_cache_spec)}"
         self.store = DiskBlockStore(directory, kv_cache_spec.bytes_per_block)
         if role is KVConnectorRole.SCHEDULER:
             self._init_scheduler()
@@ -164,6 +140,12 @@ class OffloadingConnector(KVConnectorBase):
         meta, self._meta = self._meta, OffloadingMetadata()
         return meta
 
+    def requeue_connector_meta(self, metadata: KVConnectorMetadata) -> None:
+        """Put an unsent step's writes and loads back in front of the jobs gathered since."""
+        assert isinstance(metadata, OffloadingMetadata)
+        self._meta.writes[:0] = metadata.writes
+        self._meta.loads = {**metadata.loads, **self._meta.loads}
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Forget the blocks that failed to load (their files are gone or bad). The worker runs a step's loads
         within that step, so every load sent has been reported once its step's output is here."""
@@ -177,7 +159,7 @@ class OffloadingConnector(KVConnectorBase):
     # ---- worker side ----
     def _init_worker(self) -> None:
         """The worker side: the KV tensors (registered later), the writer thread and its queue."""
-        self._tensors: list[torch.Tensor] = []
+        self._io = BlockIO(self.kv_cache_spec)
         self._pending: dict[BlockHash, bytes] = {}  # the latest payload queued per hash, not yet on disk
         self._lock = threading.Lock()
         self._jobs: queue.Queue[tuple[BlockHash, bytes | None] | None] = queue.Queue()  # payload None: delete
@@ -188,26 +170,7 @@ class OffloadingConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Raises:
             ValueError: the tensors' bytes per block differ from ``kv_cache_spec.bytes_per_block``."""
-        total = sum(t[:, 0].numel() * t.element_size() for t in kv_caches)
-        if total != self.kv_cache_spec.bytes_per_block:
-            raise ValueError(f"the KV tensors hold {total} bytes per block, the spec says "
-                             f"{self.kv_cache_spec.bytes_per_block}")
-        self._tensors = list(kv_caches)
-
-    def _block_bytes(self, block_id: int) -> bytes:
-        """A block's payload: its slice of every KV tensor in turn, as bytes."""
-        parts = [t[:, block_id].reshape(-1).view(torch.uint8) for t in self._tensors]
-        return torch.cat(parts).cpu().numpy().tobytes()
-
-    def _put_block(self, block_id: int, payload: bytes) -> None:
-        """Copy a payload into a block of every KV tensor."""
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for t in self._tensors:
-            view = t[:, block_id]
-            size = view.numel() * t.element_size()
-            view.copy_(data[offset:offset + size].view(t.dtype).view(view.shape))
-            offset += size
+        self._io.register(kv_caches)
 
     def start_load_kv(self) -> None:
         """Copy out this step's saves (before the forward can overwrite them) and queue them and the deletes in
@@ -217,7 +180,7 @@ class OffloadingConnector(KVConnectorBase):
         if not isinstance(meta, OffloadingMetadata):
             return
         for block_id, block_hash in meta.writes:
-            payload = None if block_id < 0 else self._block_bytes(block_id)
+            payload = None if block_id < 0 else self._io.read(block_id)
             with self._lock:
                 if payload is None:
                     self._pending.pop(block_hash, None)
@@ -232,11 +195,12 @@ class OffloadingConnector(KVConnectorBase):
                     with self._lock:
                         payload = self._pending.get(block_hash)
                     payload = payload if payload is not None else self.store.read(block_hash)
-                except CorruptBlockError as e:
-                    logger.warning("KV offload tier: %s; recomputing it", e)
+                    self._io.write(block_id, payload)
+                except Exception as e:  # noqa: BLE001 - corrupt, unreadable or anything: the block is recomputed
+                    logger.warning("KV offload tier: %s; recomputing it", e,
+                                   exc_info=not isinstance(e, CorruptBlockError))
                     self._out.invalid_block_ids.add(block_id)
                     break
-                self._put_block(block_id, payload)
                 self._count("loaded", len(payload))
             self._out.finished_recving.add(request_id)
 

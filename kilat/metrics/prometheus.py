@@ -111,15 +111,19 @@ def _spec_decode_metrics(specs: dict[str, SpecDecodeStats]) -> Iterator[Metric]:
 
 
 def _kv_offload_metrics(offload: dict[str, dict[str, float]]) -> Iterator[Metric]:
-    """The KV offload tier's blocks and bytes per engine, tier and direction (``save`` / ``load``)."""
+    """The KV connectors' blocks and bytes per engine, tier (``disk``: the offload tier; ``tcp``: disaggregated
+    prefill/decode) and direction (``save`` / ``load`` to and from a tier, ``send`` / ``receive`` to and from
+    another engine)."""
+    directions = {"saved": "save", "loaded": "load", "sent": "send", "received": "receive"}
     for unit in ("blocks", "bytes"):
-        metric = CounterMetricFamily(f"kilat:kv_offload_{unit}", f"KV {unit} moved to (save) or from (load) an "
-                                     f"offload tier.", labels=["engine", "tier", "direction"])
+        metric = CounterMetricFamily(f"kilat:kv_offload_{unit}", f"KV {unit} moved by a KV connector: to (save) or "
+                                     f"from (load) an offload tier, to (send) or from (receive) another engine.",
+                                     labels=["engine", "tier", "direction"])
         for engine, counts in offload.items():
             for key, value in sorted(counts.items()):
                 tier, verb, key_unit = key.rsplit("_", 2)
                 if key_unit == unit:
-                    metric.add_metric([engine, tier, {"saved": "save", "loaded": "load"}[verb]], value)
+                    metric.add_metric([engine, tier, directions[verb]], value)
         yield metric
 
 

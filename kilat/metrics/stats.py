@@ -88,8 +88,10 @@ class EngineStats:
         num_preemptions: preemptions.
         prefix_cache_queries: tokens looked up in the prefix cache at admission.
         prefix_cache_hits: tokens found there.
-        external_prefix_cache_hits: prompt tokens a KV connector supplied (loaded intact from the offload tier).
-        kv_offload: the KV offload tier's transfers: ``"<tier>_<saved|loaded>_<blocks|bytes>"`` → count.
+        external_prefix_cache_hits: prompt tokens a KV connector supplied (loaded intact from the offload tier or
+            pulled from a prefill instance).
+        kv_offload: the KV connectors' transfers: ``"<tier>_<saved|loaded|sent|received>_<blocks|bytes>"`` →
+            count.
         finished_by_reason: finished requests per finish reason.
         spec_decode: speculative decoding counters (all 0 without speculation).
         last_step: the latest :class:`StepStats`.

@@ -126,7 +126,7 @@ def _is_json(content_type: bytes) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
-class _GuardMiddleware:
+class GuardMiddleware:
     """Checks the API key and the body size before the app sees a request (413 for oversized bodies,
     whether announced by ``Content-Length`` or found while reading a chunked body), refuses non-finite JSON
     numbers with a 400, and reads every request body as JSON whatever its ``Content-Type`` (missing,
@@ -189,7 +189,7 @@ class _GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Return when the client has gone (the request body was already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -209,7 +209,7 @@ class _EventStreamResponse(StreamingResponse):
             with contextlib.suppress(OSError):  # the client went away mid-send
                 await self.stream_response(send)
 
-        tasks = [asyncio.create_task(send_events()), asyncio.create_task(_wait_for_disconnect(receive))]
+        tasks = [asyncio.create_task(send_events()), asyncio.create_task(wait_for_disconnect(receive))]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -226,7 +226,7 @@ async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) 
     """Run a handler while watching for the client's disconnect, which cancels it (and so aborts its
     requests); turn its result into JSON or an event stream."""
     task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(_wait_for_disconnect(raw.receive))
+    listener = asyncio.create_task(wait_for_disconnect(raw.receive))
     try:
         done, _ = await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -281,7 +281,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
 
     app = FastAPI(title="kilat", version=kilat.__version__, lifespan=lifespan)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
-    app.add_middleware(_GuardMiddleware, api_key=config.api_key, max_body=config.max_request_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body=config.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -387,7 +387,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}") from e
 
 
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn's server that says where it serves once it really accepts connections."""
 
     def __init__(self, config: uvicorn.Config, message: str):
@@ -421,7 +421,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
     # uvicorn re-raises it after its graceful shutdown.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with bind_socket(config.host, config.port) as sock:
-        server: _Server | None = None
+        server: UvicornServer | None = None
 
         def stop_serving(_: str) -> None:
             if server is not None:
@@ -431,7 +431,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> None:
         try:
             app = build_app(engine, config, stat_logger)
             host, port = sock.getsockname()[:2]
-            server = _Server(uvicorn.Config(app, log_level=config.uvicorn_log_level,
+            server = UvicornServer(uvicorn.Config(app, log_level=config.uvicorn_log_level,
                                             access_log=not config.disable_uvicorn_access_log,
                                             timeout_graceful_shutdown=5),
                              f"serving {config.served_model_name or default_model_name(engine_args.model)} on "

@@ -61,6 +61,7 @@ class _SamplingRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (json, regex, choice, grammar,
@@ -103,6 +104,10 @@ class _SamplingRequest(BaseModel):
         """
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.stream and isinstance(self.kv_transfer_params, dict) and self.kv_transfer_params.get(
+                "do_remote_decode"):
+            raise ValueError("kv_transfer_params.do_remote_decode needs stream=false (the params come back in the "
+                             "whole response)")
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -118,7 +123,8 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=self._structured_outputs())
+            structured_outputs=self._structured_outputs(),
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
 
     @property
     def include_usage(self) -> bool:

@@ -248,6 +248,13 @@ def created() -> int:
     return int(time.time())
 
 
+def kv_transfer_fields(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """``{"kv_transfer_params": ...}`` for a response whose (first) request got them from the KV connector (a
+    prefill instance's answer, vLLM's response field); ``{}`` otherwise."""
+    params = outputs[0].kv_transfer_params if outputs else None
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 def _with_cache_salt(prompt: PromptType, cache_salt: str | None) -> PromptType:
     """``prompt`` as a prompt dict that carries ``cache_salt`` (unchanged without one)."""
     if cache_salt is None:

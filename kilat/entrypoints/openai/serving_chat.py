@@ -18,6 +18,7 @@ from kilat.entrypoints.openai.serving import (
     bad_request,
     clamp_logprob,
     created,
+    kv_transfer_fields,
     sse,
     usage,
 )
@@ -165,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": created(), "model": model,
-                "choices": choices, "usage": usage([output])}
+                "choices": choices, "usage": usage([output]), **kv_transfer_fields([output])}
 
     async def _stream_tools(self, request: ChatCompletionRequest, model: str, response_id: str,
                             stream: RequestStream, plan: ToolPlan) -> AsyncIterator[str]:

@@ -17,6 +17,7 @@ from kilat.entrypoints.openai.serving import (
     bad_request,
     clamp_logprob,
     created,
+    kv_transfer_fields,
     sse,
     usage,
 )
@@ -93,6 +94,8 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             prompts = request.prompts()
             params = request.to_sampling_params()
+            if request.kv_transfer_params is not None and len(prompts) > 1:
+                raise ValueError(f"kv_transfer_params takes one prompt per request, got {len(prompts)}")
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
@@ -112,7 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                       _TextOffsets()),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "text_completion", "created": created(), "model": model,
-                "choices": choices, "usage": usage(outputs, not request.scores_only)}
+                "choices": choices, "usage": usage(outputs, not request.scores_only),
+                **kv_transfer_fields(outputs)}
 
     async def _stream(self, request: CompletionRequest, model: str, response_id: str,
                       streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
