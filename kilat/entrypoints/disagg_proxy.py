@@ -38,7 +38,6 @@ proxy runs (upstreams are not probed). The client's ``Authorization`` header is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import itertools
 import json
@@ -51,11 +50,16 @@ from urllib.parse import urlsplit
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 import kilat
-from kilat.entrypoints.openai.api_server import GuardMiddleware, UvicornServer, bind_socket, wait_for_disconnect
+from kilat.entrypoints.openai.api_server import (
+    DisconnectAwareResponse,
+    GuardMiddleware,
+    UvicornServer,
+    bind_socket,
+    wait_for_disconnect,
+)
 from kilat.entrypoints.openai.server_config import ServerConfig
 
 logger = logging.getLogger("kilat")
@@ -186,7 +190,7 @@ async def _unless_disconnected(raw: Request, work: Awaitable[Response]) -> Respo
     return task.result()
 
 
-class _UpstreamStream(StreamingResponse):
+class _UpstreamStream(DisconnectAwareResponse):
     """A decode instance's streamed answer, relayed chunk by chunk as it arrives; the upstream response is
     closed when it ends, fails, or the client disconnects (whichever comes first)."""
 
@@ -203,22 +207,10 @@ class _UpstreamStream(StreamingResponse):
         except (aiohttp.ClientError, TimeoutError) as e:  # too late for a status: the stream just ends
             logger.warning("decode instance %s: stream broken off: %s", self.url, _cause(e))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def relay() -> None:
-            with contextlib.suppress(OSError):  # the client went away mid-send
-                await self.stream_response(send)
-
-        tasks = [asyncio.create_task(relay()), asyncio.create_task(wait_for_disconnect(receive))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for result in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(result, Exception):
-                    logger.error("relaying the stream of %s failed", self.url, exc_info=result)
-            self.upstream.close()  # drops the connection: the decode instance aborts the request
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+    async def closed(self) -> None:
+        """Drop the upstream connection: the decode instance aborts the request if it still runs."""
+        self.upstream.close()
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 class _Proxy:

@@ -195,7 +195,31 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-class _EventStreamResponse(StreamingResponse):
+class DisconnectAwareResponse(StreamingResponse):
+    """A streamed response that stops as soon as the client disconnects; :meth:`closed` then runs, whatever
+    ended the stream (done, client gone, error)."""
+
+    async def closed(self) -> None:
+        """Release what the stream holds (subclasses)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_body() -> None:
+            with contextlib.suppress(OSError):  # the client went away mid-send
+                await self.stream_response(send)
+
+        tasks = [asyncio.create_task(send_body()), asyncio.create_task(wait_for_disconnect(receive))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, Exception):
+                    logger.error("streamed response %s failed", type(self).__name__, exc_info=result)
+            await self.closed()
+
+
+class _EventStreamResponse(DisconnectAwareResponse):
     """Server-Sent Events that stop, and abort their requests, as soon as the client disconnects."""
 
     media_type = "text/event-stream"
@@ -204,22 +228,10 @@ class _EventStreamResponse(StreamingResponse):
         super().__init__(stream.events, headers={"Cache-Control": "no-cache"})
         self.stream = stream
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_events() -> None:
-            with contextlib.suppress(OSError):  # the client went away mid-send
-                await self.stream_response(send)
-
-        tasks = [asyncio.create_task(send_events()), asyncio.create_task(wait_for_disconnect(receive))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for result in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(result, Exception):
-                    logger.error("event stream failed", exc_info=result)
-            self.stream.close()
-            await self.stream.events.aclose()  # type: ignore[attr-defined]
+    async def closed(self) -> None:
+        """Abort the requests still running."""
+        self.stream.close()
+        await self.stream.events.aclose()  # type: ignore[attr-defined]
 
 
 async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) -> Response:
