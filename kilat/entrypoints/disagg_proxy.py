@@ -37,7 +37,6 @@ proxy runs (upstreams are not probed). The client's ``Authorization`` header is 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import json
@@ -58,7 +57,7 @@ from kilat.entrypoints.openai.api_server import (
     GuardMiddleware,
     UvicornServer,
     bind_socket,
-    wait_for_disconnect,
+    run_unless_disconnected,
 )
 from kilat.entrypoints.openai.server_config import ServerConfig
 
@@ -174,16 +173,8 @@ def _cause(error: BaseException) -> str:
 async def _unless_disconnected(raw: Request, work: Awaitable[Response]) -> Response:
     """``work``'s response, or, when the client disconnects first, 499 after cancelling ``work`` (which closes
     its upstream connection, so the instance aborts the request). The request body must have been read."""
-    task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(wait_for_disconnect(raw.receive))
-    try:
-        done, _ = await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        listener.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, listener, return_exceptions=True)
-    if task not in done:
+    finished, task = await run_unless_disconnected(raw.receive, work)
+    if not finished:
         if not task.cancelled() and task.exception() is None and isinstance(stream := task.result(), _UpstreamStream):
             stream.upstream.close()  # finished just as the client left
         return Response(status_code=499)  # the client is gone; nobody reads this

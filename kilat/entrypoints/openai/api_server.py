@@ -234,19 +234,27 @@ class _EventStreamResponse(DisconnectAwareResponse):
         await self.stream.events.aclose()  # type: ignore[attr-defined]
 
 
-async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) -> Response:
-    """Run a handler while watching for the client's disconnect, which cancels it (and so aborts its
-    requests); turn its result into JSON or an event stream."""
+async def run_unless_disconnected(receive: Receive, work: Awaitable[Any]) -> tuple[bool, asyncio.Future[Any]]:
+    """Run ``work`` while watching for the client's disconnect (the request body must have been read), which
+    cancels it. Returns whether it finished first, and its future (when the client left first: cancelled, or
+    done if it finished at that very moment)."""
     task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(wait_for_disconnect(raw.receive))
+    listener = asyncio.create_task(wait_for_disconnect(receive))
     try:
         done, _ = await asyncio.wait([task, listener], return_when=asyncio.FIRST_COMPLETED)
     finally:
         listener.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task not in done:
+        await asyncio.gather(task, listener, return_exceptions=True)
+    return task in done, task
+
+
+async def _respond(raw: Request, work: Awaitable[dict[str, Any] | EventStream]) -> Response:
+    """Run a handler while watching for the client's disconnect, which cancels it (and so aborts its
+    requests); turn its result into JSON or an event stream."""
+    finished, task = await run_unless_disconnected(raw.receive, work)
+    if not finished:
         return Response(status_code=499)  # the client is gone; nobody reads this
     result = task.result()
     if isinstance(result, EventStream):
