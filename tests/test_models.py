@@ -4,14 +4,18 @@ kilat's paged KV cache (mixed batches, chunked prefill, decode) match HF's per-p
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -24,7 +28,7 @@ from kilat.model_executor.attention.backends import get_attention_backend
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.layers import Linear, RotaryEmbedding, apply_rotary, can_pack, rope_inv_freq
 from kilat.model_executor.loader import get_model, iterate_safetensors
-from kilat.model_executor.models import get_model_class
+from kilat.model_executor.models import get_model_class, supported_architectures
 
 ATOL = 1e-4
 _COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 256}
@@ -47,6 +51,12 @@ CASES: dict[str, PretrainedConfig] = {
                                         use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "qwen3-qk-norm-head-dim": Qwen3Config(**_COMMON, vocab_size=256, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "phi3-fused-checkpoint": Phi3Config(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "granite-multipliers": GraniteConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True, embedding_multiplier=12.0,
+                                         residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                         logits_scaling=8.0),
 }
 
 
@@ -54,15 +64,19 @@ CASES: dict[str, PretrainedConfig] = {
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[Path, torch.nn.Module]:
     """A tiny random float32 HF model saved to disk, and the HF model itself as the oracle."""
-    config = CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    return path, random_hf_model(CASES[request.param], path)
+
+
+def random_hf_model(config: PretrainedConfig, path: Path) -> torch.nn.Module:
+    """A float32 HF model of ``config`` with every parameter random (seeded), saved to ``path``."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # HF init leaves biases 0 and norms 1; randomize everything so all of it is tested
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    return path, hf
+    return hf
 
 
 def _load(path: Path, dtype: str = "float32") -> torch.nn.Module:
@@ -203,10 +217,28 @@ def test_rotary_matches_hf(rope: dict) -> None:
 
 
 def test_registry_rejects_unknown_architecture() -> None:
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        assert get_model_class(arch)
-    with pytest.raises(ValueError, match="supported.*LlamaForCausalLM"):
+    for arch in supported_architectures():
+        assert get_model_class(arch).__name__.endswith("ForCausalLM")
+    assert {"LlamaForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM"} <= set(supported_architectures())
+    with pytest.raises(ValueError, match="supported.*GraniteForCausalLM.*LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
+
+
+def test_the_registry_imports_a_family_on_first_use() -> None:
+    code = ("import sys; from kilat.model_executor.models import get_model_class; "
+            "assert 'kilat.model_executor.models.phi3' not in sys.modules; get_model_class('Phi3ForCausalLM'); "
+            "assert 'kilat.model_executor.models.phi3' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_phi3_variants_kilat_cannot_run_yet_are_refused() -> None:
+    for extra, word in (({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+                        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                           "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}},
+                         "longrope")):
+        config = Phi3Config(**_COMMON, vocab_size=256, num_attention_heads=4, pad_token_id=0, **extra)
+        with pytest.raises(ValueError, match=word):
+            get_model_class("Phi3ForCausalLM")(config, torch.float32)
 
 
 def test_load_weights_reports_missing_and_unexpected() -> None:

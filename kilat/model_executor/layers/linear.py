@@ -127,6 +127,9 @@ class ColumnParallelLinear(Linear):
         shard_slices: ``(first row, rows)`` of each shard's checkpoint tensor that this rank holds; default an
             even split, rank ``r`` holding rows ``[r * n / tp_size, (r + 1) * n / tp_size)``.
 
+    Attributes:
+        checkpoint_sizes: ``output_sizes``: each shard's rows in a checkpoint (whole, not this rank's).
+
     Raises:
         ValueError: ``tensor_parallel_size`` does not divide a shard's output size.
 
@@ -142,6 +145,7 @@ class ColumnParallelLinear(Linear):
                             (divide(n, group.world_size, f"the output size of {prefix or 'a layer'}")
                              for n in output_sizes)]
         self.shard_slices = shard_slices
+        self.checkpoint_sizes = list(output_sizes)
         local = [size for _, size in shard_slices]
         super().__init__(input_size, sum(local), bias, dtype, quant_config, prefix, output_sizes=local)
 

@@ -1,10 +1,14 @@
-"""The Llama-family decoder: Llama (2/3/3.x, SmolLM2), Mistral, Qwen2 and Qwen3.
+"""The Llama-family decoder: Llama (2/3/3.x, SmolLM2), Mistral, Qwen2, Qwen3 and IBM Granite 3.x (dense); Phi-3
+subclasses it (``phi3.py``).
 
 One implementation (Touvron et al., 2023): pre-norm decoder layers of grouped-query attention with rotary
 embeddings and a SwiGLU MLP. Variants differ only in switches read from the HF config or set by the
 subclasses below: q/k/v biases (Qwen2), per-head q/k RMSNorm before rotary (Qwen3), an explicit
-``head_dim``, sliding-window attention (Mistral), tied or separate ``lm_head``. Batching lives in the
-attention layer's forward context, never in this file.
+``head_dim``, sliding-window attention (Mistral), tied or separate ``lm_head``, and Granite's four scalars —
+``embedding_multiplier`` (scales the embeddings), ``residual_multiplier`` (scales each attention and MLP output
+before it joins the residual stream), ``attention_multiplier`` (the softmax scale instead of
+``1 / sqrt(head_dim)``) and ``logits_scaling`` (divides the logits), read from any config (1, 1, ``None``, 1 when
+absent). Batching lives in the attention layer's forward context, never in this file.
 
 Under pipeline parallelism a stage builds only its own range of decoder layers (:func:`pp_layer_range`; the
 others are empty placeholders so that names keep their indices), the embedding only on the first stage (and on
@@ -27,7 +31,6 @@ from kilat.model_executor.layers import (
     ColumnParallelLinear,
     DecodeBatch,
     FusedDecoderLayer,
-    Linear,
     ParallelLMHead,
     QKVParallelLinear,
     QuantizationConfig,
@@ -40,15 +43,7 @@ from kilat.model_executor.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-
-# Checkpoint projection name -> (fused parameter's module, shard index).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+from kilat.model_executor.models.weight_loading import LLAMA_PACKED_MODULES, PackedModules, load_weights
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -100,7 +95,8 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.attn = Attention(cache_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+        scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
+        self.attn = Attention(cache_idx, self.num_heads, self.num_kv_heads, self.head_dim, scale,
                               _sliding_window(config, layer_idx))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,10 +152,14 @@ class LlamaDecoderLayer(nn.Module):
                                         f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
         self.fused: FusedDecoderLayer | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Bind the fused decode kernel where it applies (runs after the submodules processed their weights)."""
+        """Bind the fused decode kernel where it applies (runs after the submodules processed their weights; not
+        with a ``residual_multiplier``, which it does not apply)."""
+        if self.residual_multiplier != 1.0:
+            return
         attn, mlp = self.self_attn, self.mlp
         self.fused = FusedDecoderLayer.build(
             self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -173,8 +173,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x * self.residual_multiplier if self.residual_multiplier != 1.0 else x), residual
 
 
 class LlamaModel(nn.Module):
@@ -199,6 +202,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, i - self.start_layer, qkv_bias, qk_norm, dtype, quant_config)
             if self.start_layer <= i < self.end_layer else nn.Module() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, inv_freq,
                                           attention_scaling, dtype)
@@ -219,6 +223,8 @@ class LlamaModel(nn.Module):
         """
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
         else:
             x, residual = intermediate[0], intermediate[1]
         cos, sin = self.rotary_emb(positions)
@@ -238,13 +244,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM over :class:`LlamaModel` (also serves ``MistralForCausalLM``).
+    """Causal LM over :class:`LlamaModel` (also serves ``MistralForCausalLM`` and ``GraniteForCausalLM``).
 
     Parameters are created uninitialized on the current default device (use ``with torch.device(...)``);
     fill them with :meth:`load_weights`. Run ``forward`` inside ``set_forward_context``.
 
     Args:
-        config: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
+        config: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``,
+            ``GraniteConfig``, ``Phi3Config``).
         dtype: parameter and activation dtype.
         quant_config: how the linear layers hold their weights (``None``: dense in ``dtype``).
 
@@ -254,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         lm_head: the output projection, or ``None`` before the last pipeline stage.
     """
 
+    packed_modules_mapping: ClassVar[PackedModules] = LLAMA_PACKED_MODULES
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
     qk_norm: ClassVar[bool] = False  # RMSNorm of each q/k head before rotary
 
@@ -270,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = self.model.end_layer - self.model.start_layer
         self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
         self.head_dim = _head_dim(config)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,68 +296,25 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (all of them on every rank)."""
-        return self.lm_head.compute_logits(hidden)
+        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (all of them on every rank), divided by
+        ``config.logits_scaling`` when set."""
+        logits = self.lm_head.compute_logits(hidden)
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into this model's (fused) parameters.
-
+        """Copy HF-named checkpoint tensors into this model's (fused) parameters
+        (:func:`~kilat.model_executor.models.weight_loading.load_weights` with :attr:`packed_modules_mapping`):
         ``*.q_proj``/``k_proj``/``v_proj`` go into shards of ``qkv_proj``, ``gate_proj``/``up_proj`` into
-        ``gate_up_proj``. A linear layer's tensors go through its quantization method (``Linear.load_weight``,
-        which first narrows them to this tensor-parallel rank's slice: dense tensors are converted to the
-        parameter dtype; a quantized checkpoint's ``qweight``/``scales``/... or GGUF blocks are the method's own);
-        the embedding table goes to ``VocabParallelEmbedding.load_weight`` (dense, or a quantized ``QuantWeight``
-        that a tied ``lm_head`` then shares); others are copied into the parameter.
-        Rotary ``inv_freq`` buffers, for tied models ``lm_head.weight``, and the tensors of modules that other
-        pipeline stages hold are ignored.
+        ``gate_up_proj``. Rotary ``inv_freq`` buffers, for tied models ``lm_head.weight``, and the tensors of
+        modules that other pipeline stages hold are ignored.
 
         Raises:
             ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
                 the checkpoint does not provide.
         """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
-        expected = set()
-        for name in params:
-            module_name = name.rpartition(".")[0]
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            shards = range(len(linears[module_name].output_sizes)) if module_name in linears else [None]
-            expected.update((name, None if len(shards) == 1 else shard) for shard in shards)
-
-        loaded, unexpected = set(), []
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight") \
-                    or self._on_other_stage(name):
-                continue
-            module_name, _, attr = name.rpartition(".")
-            parent, _, leaf = module_name.rpartition(".")
-            shard = None
-            if leaf in _STACKED:
-                leaf, shard = _STACKED[leaf]
-                module_name = f"{parent}.{leaf}"
-            target = f"{module_name}.{attr}"
-            if module_name in linears and target in params:
-                linears[module_name].load_weight(attr, tensor, shard)
-            elif target == "model.embed_tokens.weight":
-                self.model.embed_tokens.load_weight(tensor)
-            elif target not in params or shard is not None:
-                unexpected.append(name)
-                continue
-            elif params[target].shape != tensor.shape:
-                raise ValueError(f"{name}: expected shape {tuple(params[target].shape)}, got {tuple(tensor.shape)}")
-            else:
-                params[target].data.copy_(tensor)
-            loaded.add((target, shard))
-
-        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens.qweight is not None:
-            self.lm_head.load_weight("weight", self.model.embed_tokens.qweight)  # shares the quantized table
-        missing = sorted(f"{name}" + (f" (shard {shard})" if shard is not None else "")
-                         for name, shard in expected - loaded)
-        if unexpected or missing:
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: "
-                             f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}, "
-                             f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        load_weights(self, weights, self.packed_modules_mapping,
+                     lambda name: name.endswith("rotary_emb.inv_freq") or self._on_other_stage(name),
+                     self.tie_word_embeddings)
 
     def _on_other_stage(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to a module another pipeline stage holds."""

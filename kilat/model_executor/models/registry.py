@@ -1,26 +1,32 @@
-"""Architecture name (``config.architectures[0]``) -> model class."""
+"""Architecture name (``config.architectures[0]``) → model class, imported on first use (a lazy registry: a new
+family is one module and one line here; nothing is imported for the families an engine does not run)."""
 
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 from transformers import PretrainedConfig
 
-from kilat.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
 }
+"""Architecture → (module of ``kilat.model_executor.models``, class)."""
 
-# HF ``model_type`` -> architecture, for configs that lack ``architectures`` (GGUF metadata, presets).
 ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
+"""HF ``model_type`` → architecture, for configs that lack ``architectures`` (GGUF metadata, presets)."""
 
 
 def supported_architectures() -> list[str]:
@@ -29,15 +35,15 @@ def supported_architectures() -> list[str]:
 
 
 def get_model_class(arch: str) -> type[nn.Module]:
-    """The model class for an HF architecture name.
+    """The model class for an HF architecture name (its module is imported now if it was not yet).
 
     Raises:
         ValueError: for an unsupported architecture, listing the supported ones.
     """
-    try:
-        return _MODELS[arch]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {supported_architectures()}") from None
+    if arch not in _MODELS:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {supported_architectures()}")
+    module, cls = _MODELS[arch]
+    return getattr(importlib.import_module(f"kilat.model_executor.models.{module}"), cls)
 
 
 def architecture_of(config: PretrainedConfig) -> str:

@@ -370,7 +370,9 @@ class Fp8Config(QuantizationConfig):
         Raises:
             ValueError: ``ignored_layers`` names some but not all shards of a fused layer.
         """
-        names = _checkpoint_names(prefix, len(layer.output_sizes))
+        from kilat.model_executor.models.weight_loading import shard_names
+
+        names = shard_names(prefix, len(layer.output_sizes))
         ignored = [n for n in names if n in self.ignored_layers]
         if ignored and len(ignored) < len(names):
             raise ValueError(f"quantization_config.ignored_layers names {ignored} but not "
@@ -379,13 +381,3 @@ class Fp8Config(QuantizationConfig):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(self.serialized, self.weight_strategy, self.activation_scheme == "static")
 
-
-def _checkpoint_names(prefix: str, num_shards: int) -> list[str]:
-    """The checkpoint layer names of linear layer ``prefix`` (a fused layer's shards, e.g. ``...q_proj``)."""
-    if num_shards == 1:
-        return [prefix]
-    from kilat.model_executor.models.llama import _STACKED
-
-    parent, _, fused = prefix.rpartition(".")
-    shards = sorted((shard, name) for name, (module, shard) in _STACKED.items() if module == fused)
-    return [f"{parent}.{name}" for _, name in shards]
