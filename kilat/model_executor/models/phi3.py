@@ -1,6 +1,8 @@
-"""Phi-3 (Abdin et al., 2024: Phi-3-mini/-medium, Phi-3.5-mini): the Llama decoder, whose checkpoints store the
-query/key/value projections fused (``qkv_proj``) and the gate/up projections fused (``gate_up_proj``, gate
-first), the layout kilat computes with; the loader splits them into the fused layers' shards."""
+"""Phi-3 (Abdin et al., 2024): the Llama decoder, whose checkpoints store the query/key/value projections fused
+(``qkv_proj``) and the gate/up projections fused (``gate_up_proj``, gate first), the layout kilat computes with;
+the loader splits them into the fused layers' shards (dense checkpoints only). Runs the 4k-context Phi-3-mini and
+-medium and Phi-4 (full rotary, no rope scaling); ``longrope`` (the 128k variants, Phi-3.5) and partial rotary
+(Phi-4-mini) are refused."""
 
 from __future__ import annotations
 

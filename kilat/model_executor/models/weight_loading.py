@@ -67,7 +67,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if shard is None and len(linear.output_sizes) > 1:  # stored fused: split it into its shards
             if not isinstance(linear, ColumnParallelLinear) or not isinstance(tensor, torch.Tensor) \
                     or attr not in ("weight", "bias"):
-                raise ValueError(f"{target}: a fused checkpoint tensor can only be split when dense")
+                raise ValueError(f"{target}: the checkpoint stores this layer fused ({attr}, {type(tensor).__name__}); "
+                                 f"kilat splits only a dense weight or bias (quantized fused checkpoints, e.g. fp8, "
+                                 f"AWQ, GPTQ or GGUF blocks of Phi-3, are not supported yet)")
             for i, part in enumerate(tensor.split(linear.checkpoint_sizes, dim=0)):
                 linear.load_weight(attr, part, i)
                 loaded.add((target, i))

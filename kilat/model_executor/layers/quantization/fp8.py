@@ -365,14 +365,15 @@ class Fp8Config(QuantizationConfig):
             raise ValueError(f"quantization 'fp8' runs with dtype float16, bfloat16 or float32, got {dtype}")
 
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
-        """fp8 for every linear layer but ``lm_head`` (see ``lm_head``) and ``ignored_layers``.
+        """fp8 for every linear layer but ``lm_head`` (see ``lm_head``) and ``ignored_layers`` (which name the
+        layer itself, or every checkpoint shard of a fused layer).
 
         Raises:
             ValueError: ``ignored_layers`` names some but not all shards of a fused layer.
         """
         from kilat.model_executor.models.weight_loading import shard_names
 
-        names = shard_names(prefix, len(layer.output_sizes))
+        names = [prefix] if prefix in self.ignored_layers else shard_names(prefix, len(layer.output_sizes))
         ignored = [n for n in names if n in self.ignored_layers]
         if ignored and len(ignored) < len(names):
             raise ValueError(f"quantization_config.ignored_layers names {ignored} but not "
