@@ -117,14 +117,21 @@ def test_a_refused_or_unreachable_producer_means_the_prompt_is_computed(engines)
     consumer.engine.core.kv.pool.reset_prefix_cache()
 
 
-def test_an_abort_during_the_pull_frees_the_blocks_on_both_sides(engines):
-    want, producer, consumer = engines
+def _park(producer: LLM, consumer: LLM, request_id: str) -> Relay:
+    """Prefill PROMPTS[1] on the producer and have the consumer pull it through a slow relay, until the request
+    waits for its KV (the pull running)."""
     kv = _prefill(producer, PROMPTS[1])
     relay = Relay(kv["remote_port"], "slow", producer.engine.core.info.bytes_per_block)
+    consumer.engine.add_request(request_id, PROMPTS[1], _params({**kv, "remote_port": relay.port}))
+    while not consumer.engine.core.scheduler.waiting_for_remote_kvs:
+        consumer.engine.step()
+    return relay
+
+
+def test_an_abort_during_the_pull_frees_the_blocks_on_both_sides(engines):
+    _, producer, consumer = engines
+    relay = _park(producer, consumer, "aborted")
     engine = consumer.engine
-    engine.add_request("aborted", PROMPTS[1], _params({**kv, "remote_port": relay.port}))
-    while not engine.core.scheduler.waiting_for_remote_kvs:
-        engine.step()
     assert relay.started.wait(5)
     assert engine.core.kv.usage > 0
     received = engine.stats.kv_offload["tcp_received_blocks"]
@@ -191,12 +198,8 @@ def test_a_failed_step_leaves_a_pulling_request_parked(engines):
     from kilat.core.engine_core import StepFailed
 
     _, producer, consumer = engines
-    kv = _prefill(producer, PROMPTS[1])
-    relay = Relay(kv["remote_port"], "slow", producer.engine.core.info.bytes_per_block)
+    _park(producer, consumer, "parked")
     engine = consumer.engine
-    engine.add_request("parked", PROMPTS[1], _params({**kv, "remote_port": relay.port}))
-    while not engine.core.scheduler.waiting_for_remote_kvs:
-        engine.step()
     runner = engine.core.runner
     execute = runner._execute
 
