@@ -53,7 +53,7 @@ SERIAL = {"mp-pp2-serial"}
 """Variants whose executor keeps one step in flight."""
 
 
-def _decode(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float]:
+def decode_rate(llm: LLM, batch: int, max_tokens: int) -> tuple[float, float]:
     """Output tokens per second of ``batch`` greedy requests with 64-token prompts (distinct: no prefix hits), and
     the median engine step time in milliseconds."""
     prompts = [list(range(1000 + 64 * i, 1064 + 64 * i)) for i in range(batch)]
@@ -85,14 +85,14 @@ def measure(model: str, variant: dict[str, Any], calls: int, max_tokens: int, se
         executor = llm.engine.core.executor
         if serial:
             executor.max_concurrent_batches = llm.engine.core.scheduler.max_concurrent_batches = 1
-        _decode(llm, 1, 8)  # warm-up
+        decode_rate(llm, 1, 8)  # warm-up
         times = []
         for _ in range(calls):
             start = time.perf_counter()
             executor.execute_model(SchedulerOutput())
             times.append(time.perf_counter() - start)
-        decode_1, step_ms_1 = _decode(llm, 1, max_tokens)
-        decode_16, step_ms_16 = _decode(llm, 16, max_tokens)
+        decode_1, step_ms_1 = decode_rate(llm, 1, max_tokens)
+        decode_16, step_ms_16 = decode_rate(llm, 16, max_tokens)
         return {"round_trip_us": statistics.median(times) * 1e6, "decode_1": decode_1, "decode_16": decode_16,
                 "step_ms_1": step_ms_1, "step_ms_16": step_ms_16}
     finally:

@@ -15,10 +15,14 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -57,6 +61,18 @@ CASES: dict[str, PretrainedConfig] = {
                                          tie_word_embeddings=True, embedding_multiplier=12.0,
                                          residual_multiplier=0.22, attention_multiplier=0.0078125,
                                          logits_scaling=8.0),
+    "mixtral-moe": MixtralConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                 num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen2-moe-shared-expert-dense-layer": Qwen2MoeConfig(
+        **_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0],
+        tie_word_embeddings=False),
+    "qwen3-moe-norm-topk": Qwen3MoeConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=True, tie_word_embeddings=False),
+    "olmoe-qk-norm-clip": OlmoeConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, norm_topk_prob=False,
+                                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 

@@ -78,6 +78,18 @@ def test_replicated_kv_heads_biases_and_a_padded_vocabulary(tmp_path):
     assert _greedy(model, prompts, **kwargs, tensor_parallel_size=2) == _greedy(model, prompts, **kwargs)
 
 
+def test_moe_experts_and_shared_expert_split_across_ranks(tmp_path):
+    """Qwen2-MoE: each rank holds half of every expert's intermediate features (and of the shared expert's); the
+    partial expert sums are all-reduced; a dense layer mixed in. Two ranks give one rank's tokens."""
+    from tests.test_models import CASES, random_hf_model
+
+    random_hf_model(CASES["qwen2-moe-shared-expert-dense-layer"], tmp_path)
+    kwargs = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 128}
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(20 + i)] for i in range(4)]
+    assert _greedy(str(tmp_path), prompts, **kwargs, tensor_parallel_size=2) == _greedy(str(tmp_path), prompts,
+                                                                                          **kwargs)
+
+
 def test_a_cache_too_big_for_one_rank_fits_on_two(tiny_llama_dir):
     """Each rank's ``kv_cache_memory`` holds half the key/value heads: 32 KiB is 64 tokens of the tiny model's
     KV on one rank (fewer than ``max_model_len`` 100: refused), 128 tokens per rank on two (served, with the

@@ -45,6 +45,9 @@ from kilat.model_executor.layers import (
 )
 from kilat.model_executor.models.weight_loading import LLAMA_PACKED_MODULES, PackedModules, load_weights
 
+QK_NORMS = (None, "head", "whole")
+"""Where a family normalizes queries and keys before rotary: nowhere, per head, or over the whole projections."""
+
 
 def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -79,9 +82,12 @@ class LlamaAttention(nn.Module):
     ranks' outputs (:class:`RowParallelLinear`).
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool, qk_norm: bool,
-                 dtype: torch.dtype | None, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool,
+                 qk_norm: str | None, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
         self.head_dim = _head_dim(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
@@ -92,9 +98,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         attention_bias, dtype, quant_config, f"{prefix}.o_proj")
         self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        if qk_norm == "whole" and self.qkv_proj.tp_size > 1:
+            raise ValueError("q/k norms over whole projections (OLMoE) do not support tensor_parallel_size > 1 yet")
+        if qk_norm is not None:
+            per_head = qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, config.rms_norm_eps, dtype)
+        self.clip_qkv = getattr(config, "clip_qkv", None)
         scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = Attention(cache_idx, self.num_heads, self.num_kv_heads, self.head_dim, scale,
                               _sliding_window(config, layer_idx))
@@ -103,7 +113,14 @@ class LlamaAttention(nn.Module):
         """``x [T, hidden] -> [T, hidden]``; ``cos``/``sin`` from :class:`RotaryEmbedding` for the T tokens."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.qk_norm:
+        if self.qk_norm == "whole":  # OLMoE: norms over the whole projections, then the optional clip
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            q = apply_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        elif self.qk_norm == "head":
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
@@ -111,7 +128,7 @@ class LlamaAttention(nn.Module):
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         return self.o_proj(out)
 
 
@@ -120,13 +137,13 @@ class LlamaMLP(nn.Module):
     rank holds a slice of the intermediate features and ``down_proj`` sums the ranks' outputs."""
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype,
-                                                 quant_config, f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype, quant_config,
-                                           f"{prefix}.down_proj")
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size] * 2, bias, dtype, quant_config,
+                                                 f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, dtype, quant_config, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``."""
@@ -143,27 +160,29 @@ class LlamaDecoderLayer(nn.Module):
     computation as one C++ op (:class:`FusedDecoderLayer`), which :class:`LlamaModel` runs on decode-only steps.
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, family: type[LlamaForCausalLM],
                  dtype: torch.dtype | None, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, cache_idx, qkv_bias, qk_norm, dtype, quant_config,
-                                        f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, layer_idx, cache_idx, family.qkv_bias, family.qk_norm, dtype,
+                                        quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.mlp = family.make_mlp(config, layer_idx, dtype, quant_config, f"{prefix}.mlp")
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
         self.fused: FusedDecoderLayer | None = None
 
     def process_weights_after_loading(self) -> None:
         """Bind the fused decode kernel where it applies (runs after the submodules processed their weights; not
-        with a ``residual_multiplier``, which it does not apply)."""
-        if self.residual_multiplier != 1.0:
-            return
+        with a ``residual_multiplier``, which it does not apply, nor with a Mixture-of-Experts MLP or q/k norms over
+        whole projections)."""
         attn, mlp = self.self_attn, self.mlp
+        if self.residual_multiplier != 1.0 or not isinstance(mlp, LlamaMLP) or attn.qk_norm == "whole":
+            return
+        per_head = attn.qk_norm == "head"
         self.fused = FusedDecoderLayer.build(
             self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-            mlp.down_proj, attn.attn, attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None)
+            mlp.down_proj, attn.attn, attn.q_norm if per_head else None, attn.k_norm if per_head else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +209,7 @@ class LlamaModel(nn.Module):
         norm: the final norm, or ``None`` before the last stage.
     """
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, dtype: torch.dtype | None,
+    def __init__(self, config: PretrainedConfig, family: type[LlamaForCausalLM], dtype: torch.dtype | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         pp = get_pp_group()
@@ -199,7 +218,7 @@ class LlamaModel(nn.Module):
             if pp.is_first or (pp.is_last and tied) else None
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.world_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, i - self.start_layer, qkv_bias, qk_norm, dtype, quant_config)
+            LlamaDecoderLayer(config, i, i - self.start_layer, family, dtype, quant_config)
             if self.start_layer <= i < self.end_layer else nn.Module() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
@@ -262,14 +281,22 @@ class LlamaForCausalLM(nn.Module):
     """
 
     packed_modules_mapping: ClassVar[PackedModules] = LLAMA_PACKED_MODULES
+    checkpoint_renames: ClassVar[dict[str, str]] = {}  # checkpoint name part -> kilat's (Mixtral's MLP name)
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
-    qk_norm: ClassVar[bool] = False  # RMSNorm of each q/k head before rotary
+    qk_norm: ClassVar[str | None] = None  # RMSNorm of q/k before rotary: per "head" (Qwen3) or "whole" (OLMoE)
+
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype | None,
+                 quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """Decoder layer ``layer_idx``'s feed-forward block, ``[T, hidden] -> [T, hidden]``: the SwiGLU
+        :class:`LlamaMLP` here; Mixture-of-Experts families return their sparse block."""
+        return LlamaMLP(config, dtype, quant_config, prefix)
 
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype, quant_config)
+        self.model = LlamaModel(config, type(self), dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype, quant_config) \
             if get_pp_group().is_last else None
@@ -312,9 +339,16 @@ class LlamaForCausalLM(nn.Module):
             ValueError: on a checkpoint name with no parameter, a shape mismatch, or a parameter (shard) that
                 the checkpoint does not provide.
         """
+        if self.checkpoint_renames:
+            weights = ((self._rename(name), tensor) for name, tensor in weights)
         load_weights(self, weights, self.packed_modules_mapping,
                      lambda name: name.endswith("rotary_emb.inv_freq") or self._on_other_stage(name),
                      self.tie_word_embeddings)
+
+    def _rename(self, name: str) -> str:
+        for old, new in self.checkpoint_renames.items():
+            name = name.replace(old, new)
+        return name
 
     def _on_other_stage(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to a module another pipeline stage holds."""
@@ -335,4 +369,4 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): Llama with per-head RMSNorm of queries and keys before rotary, explicit ``head_dim``."""
 
-    qk_norm = True
+    qk_norm = "head"

@@ -15,6 +15,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
 }
 """Architecture → (module of ``kilat.model_executor.models``, class)."""
 
@@ -25,6 +29,10 @@ ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 """HF ``model_type`` → architecture, for configs that lack ``architectures`` (GGUF metadata, presets)."""
 

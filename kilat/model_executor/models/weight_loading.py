@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kilat.model_executor.layers import ColumnParallelLinear, Linear
+from kilat.model_executor.layers.fused_moe import FusedMoE
 
 PackedModules = dict[str, list[str]]
 """Fused layer name → the checkpoint layer names stacked in it, in stacking order."""
@@ -44,7 +45,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     (``Linear.load_weight``, which narrows them to this tensor-parallel rank's slice); the embedding table goes to
     ``model.model.embed_tokens.load_weight`` (dense, or a quantized ``QuantWeight`` that a tied ``lm_head`` then
     shares); others are copied into the parameter. Names for which ``skip`` is true (rotary buffers, other
-    pipeline stages' modules) and, with ``tied_lm_head``, ``lm_head.weight`` are ignored.
+    pipeline stages' modules) and, with ``tied_lm_head``, ``lm_head.weight`` are ignored. Tensors under a
+    :class:`FusedMoE` module (``...experts.3.gate_proj.weight``) go to its ``load_checkpoint_tensor``, which stacks
+    each expert's projections.
 
     Raises:
         ValueError: on a checkpoint name with no parameter, a shape mismatch, a fused tensor that is not dense,
@@ -53,10 +56,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     stacked = {name: (fused, i) for fused, names in packed.items() for i, name in enumerate(names)}
     params = dict(model.named_parameters(remove_duplicate=False))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    expected = set()
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    expected = {(f"{name}.{param}", key) for name, moe in moes.items() for param, key in moe.shard_keys()}
     for name in params:
         module_name = name.rpartition(".")[0]
-        if tied_lm_head and name == "lm_head.weight":
+        if (tied_lm_head and name == "lm_head.weight") or module_name in moes:
             continue
         shards = range(len(linears[module_name].output_sizes)) if module_name in linears else [None]
         expected.update((name, None if len(shards) == 1 else shard) for shard in shards)
@@ -79,6 +83,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 
     for name, tensor in weights:
         if skip(name) or (tied_lm_head and name == "lm_head.weight"):
+            continue
+        moe_name = _owner(name, moes)
+        if moe_name is not None:
+            keys = moes[moe_name].load_checkpoint_tensor(name[len(moe_name) + 1:], tensor)
+            loaded.update((f"{moe_name}.{param}", key) for param, key in keys)
             continue
         module_name, _, attr = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
@@ -110,3 +119,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         raise ValueError(f"checkpoint does not match {type(model).__name__}: "
                          f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}, "
                          f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+
+def _owner(name: str, modules: dict[str, nn.Module]) -> str | None:
+    """The name of the module in ``modules`` that checkpoint tensor ``name`` lies under, or ``None``."""
+    parts = name.split(".")
+    return next((prefix for i in range(len(parts) - 1, 0, -1) if (prefix := ".".join(parts[:i])) in modules), None)

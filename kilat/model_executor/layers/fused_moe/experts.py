@@ -1,0 +1,116 @@
+"""The expert computation of a Mixture-of-Experts layer, given each token's chosen experts (:mod:`.routing`).
+
+Every token-expert pair goes through its expert's gated MLP, ``down(act(gate(x)) * up(x))``, and the results are
+summed per token, weighted by the router. :func:`fused_experts` sorts the pairs by expert and runs one grouped
+matmul per projection (``torch.nn.functional.grouped_mm``; a Triton grouped GEMM on CUDA): no Python loop over
+experts. :func:`looped_experts` runs the same computation one expert at a time, as HF transformers does; it is the
+reference, the benchmark's baseline and the fallback where ``grouped_mm`` is missing (torch < 2.9) or the expert
+sizes ``H`` and ``I`` are not multiples of 16 bytes (``grouped_mm``'s row alignment).
+
+Expert weights are stacked along a leading expert dimension (``w13 [E, 2 * I, H]``: gate rows then up rows;
+``w2 [E, H, I]``), so expert parallelism can shard them by slicing ``E``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kilat.model_executor.layers.activation import silu_and_mul
+
+logger = logging.getLogger("kilat")
+
+ACTIVATIONS = ("silu",)
+"""Gated activations of the expert MLPs: ``silu`` (SwiGLU)."""
+
+
+def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``h [N, 2 * I]`` (gate columns first) -> ``[N, I]``."""
+    if activation == "silu":
+        return silu_and_mul(h)
+    raise ValueError(f"MoE activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The MoE expert sum one expert at a time (a Python loop over the experts that have tokens).
+
+    Args as :func:`fused_experts`. Returns ``[T, H]`` in ``x``'s dtype.
+    """
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        h = _gated(x[token] @ w13[expert].t(), activation) @ w2[expert].t()
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token ``t``, with one grouped matmul
+    per projection.
+
+    The ``T * top_k`` token-expert pairs are sorted by expert (stable, so each expert's pairs keep token order);
+    the gate/up projection and the down projection each run as one grouped GEMM over the experts' contiguous row
+    ranges; the weighted rows are added back to their tokens in expert order (HF's summation order). On CUDA with
+    Triton installed the Triton grouped GEMM (:mod:`.triton_moe`) runs instead.
+
+    Args:
+        x: ``[T, H]`` hidden states.
+        w13: ``[E, 2 * I, H]`` each expert's gate and up projections stacked (gate rows first), ``x``'s dtype.
+        w2: ``[E, H, I]`` each expert's down projection.
+        topk_weights: float32 ``[T, top_k]`` router weights.
+        topk_ids: int ``[T, top_k]`` expert ids in ``[0, E)``.
+        activation: one of :data:`ACTIVATIONS`.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: an unknown ``activation``.
+    """
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if x.is_cuda and _triton_moe() is not None:
+        return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+    if not _grouped_mm_runs(x.device.type, x.dtype) or any(size * x.element_size() % 16 for size in w2.shape[1:]):
+        return looped_experts(x, w13, w2, topk_weights, topk_ids, activation)
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    token = order // top_k
+    h = F.grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+    h = F.grouped_mm(_gated(h, activation), w2.transpose(1, 2), offs=offsets)
+    weighted = (h * topk_weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, weighted)
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` runs for this device and dtype here (checked once on a tiny problem whose rows are
+    16 bytes apart, as ``grouped_mm`` requires); logs the per-expert fallback when it does not."""
+    try:
+        a = torch.ones(2, 8, dtype=dtype, device=device_type)
+        b = torch.ones(2, 8, 8, dtype=dtype, device=device_type)
+        F.grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device_type))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        logger.warning("torch grouped_mm unavailable for %s %s (%s); MoE experts run one at a time",
+                       device_type, dtype, e)
+        return False
+
+
+@functools.cache
+def _triton_moe():  # noqa: ANN202 - the module, or None
+    """:mod:`.triton_moe` when Triton is installed, else ``None``."""
+    from kilat.model_executor.attention.backends import triton_available
+
+    if not triton_available():
+        return None
+    from kilat.model_executor.layers.fused_moe import triton_moe
+
+    return triton_moe

@@ -1,0 +1,27 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's decoder (per-head q/k RMSNorm) with sparse blocks of
+``moe_intermediate_size`` experts and no shared expert; routing renormalized with ``norm_topk_prob``; layers in
+``mlp_only_layers`` or off the ``decoder_sparse_step`` keep a dense MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kilat.model_executor.layers import QuantizationConfig
+from kilat.model_executor.models.llama import LlamaMLP, Qwen3ForCausalLM
+from kilat.model_executor.models.moe import SparseMoeBlock, is_sparse_layer
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """``Qwen3MoeForCausalLM``: :class:`Qwen3ForCausalLM` with :class:`SparseMoeBlock` feed-forward blocks."""
+
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype | None,
+                 quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """The sparse block on sparse layers (:func:`is_sparse_layer`), else a dense MLP."""
+        if not is_sparse_layer(config, layer_idx):
+            return LlamaMLP(config, dtype, quant_config, prefix)
+        return SparseMoeBlock(config, dtype, quant_config, prefix, num_experts=config.num_experts,
+                              top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
+                              renormalize=config.norm_topk_prob)
