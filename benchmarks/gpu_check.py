@@ -9,6 +9,10 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   around block and split boundaries up to 4,100 tokens, prefills, chunked prefill over a cached prefix,
   mixed batches, a sliding window. Then microbenchmarks before (torch) and after (Triton), and the memory
   bandwidth of a device copy.
+- ``moe``: the Triton grouped-GEMM MoE experts (``fused_moe/triton_moe.py``) against the per-expert loop
+  (``looped_experts``) in bfloat16 and float32 (max |error|) on a 64-expert top-8 layer (hidden 1024,
+  intermediate 512), then bfloat16 times of Triton, the loop and torch ``grouped_mm`` for 1, 16 and 512 tokens
+  with the expert weights each reads per second (the experts hit times their bytes, over the time).
 - ``graphs``: greedy outputs of the embedded model's shapes (dummy weights) with CUDA graphs on and off, in
   float32 (must be equal) and bfloat16 (reported), over a batch that shrinks through uncaptured sizes.
 - ``kilat-<model>`` / ``hf-<model>`` for Llama-3-8B and SmolLM2-135M shapes (dummy bfloat16 weights):
@@ -61,9 +65,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "
 MODELS = ("llama-3-8b", "smollm2-135m")
-SECTIONS = ("kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m", "hf-smollm2-135m",
-            "quantization", "spec_decode", "parallel")
-TIMEOUTS_S = {"kernels": 150, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
+SECTIONS = ("kernels", "moe", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
+            "hf-smollm2-135m", "quantization", "spec_decode", "parallel")
+TIMEOUTS_S = {"kernels": 150, "moe": 120, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
               "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "quantization": 240, "spec_decode": 180,
               "parallel": 240}
 SMOKE_TIMEOUT_FACTOR = 3
@@ -244,6 +248,63 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = measure_bandwidth(1 << (24 if args.smoke else 30), device=dev)
     return {"correctness": correctness, "all_pass": all(c["pass"] for c in correctness), "timings": timings,
             "measured_bandwidth_gbps": bandwidth / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------------- moe
+
+MOE_SHAPE = {"num_experts": 64, "top_k": 8, "hidden_size": 1024, "intermediate_size": 512}
+"""The moe section's layer (``--smoke``: 8 experts, top-2, hidden 64, intermediate 32)."""
+MOE_TOKENS = (1, 16, 512)
+"""The moe section's batch sizes: decode (1, 16) and prefill (512); ``--smoke`` runs 1 and 16."""
+
+
+def section_moe(args: argparse.Namespace) -> dict[str, Any]:
+    """The Triton grouped-GEMM MoE experts against the per-expert loop (and torch ``grouped_mm``, where it runs):
+    max |error| in bfloat16 and float32, then bfloat16 times and the expert weights read per second."""
+    from unittest import mock
+
+    from kilat.model_executor.layers.fused_moe import experts, looped_experts, select_experts, triton_moe
+
+    dev = device()
+    shape = {"num_experts": 8, "top_k": 2, "hidden_size": 64, "intermediate_size": 32} if args.smoke else MOE_SHAPE
+    num_experts, top_k, hidden, inter = shape.values()
+    g = torch.Generator().manual_seed(0)
+    weights = {dtype: ((torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(dev),
+                       (torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(dev))
+               for dtype in (torch.bfloat16, torch.float32)}
+    tolerance = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+    iters = 5 if args.smoke else 50
+
+    correctness, timings = [], []
+    for tokens in MOE_TOKENS[:2] if args.smoke else MOE_TOKENS:
+        topk_weights, topk_ids = select_experts(torch.randn(tokens, num_experts, generator=g).to(dev), top_k, True)
+        for dtype, (w13, w2) in weights.items():
+            x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+            inputs = (x, w13, w2, topk_weights, topk_ids)
+            out, ref = triton_moe.fused_experts(*inputs).float(), looped_experts(*inputs).float()
+            correctness.append({"tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
+                                "max_abs_err": float((out - ref).abs().max()), "max_abs_ref": float(ref.abs().max()),
+                                "pass": torch.allclose(out, ref, atol=tolerance[dtype], rtol=tolerance[dtype])})
+            if dtype != torch.bfloat16:
+                continue
+            experts_hit = int(topk_ids.unique().numel())
+            weight_bytes = experts_hit * (w13[0].nbytes + w2[0].nbytes)
+            timing: dict[str, Any] = {"tokens": tokens, "experts_hit": experts_hit, "weight_bytes": weight_bytes,
+                                      "grouped_mm_runs": experts._grouped_mm_runs(dev.type, dtype)}
+            # experts.fused_experts with its Triton dispatch off is the torch grouped_mm path
+            with mock.patch.object(experts, "_triton_moe", lambda: None):
+                for name, fn in (("triton", triton_moe.fused_experts), ("looped", looped_experts),
+                                 ("grouped_mm", experts.fused_experts)):
+                    try:
+                        ms = time_us(lambda f=fn, a=inputs: f(*a), iters) / 1e3
+                        timing.update({f"{name}_ms": ms, f"{name}_weight_gbps": weight_bytes / ms / 1e6})
+                    except Exception as e:  # one path's failure (a missing kernel, memory) is its result
+                        timing[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            if "triton_ms" in timing and "looped_ms" in timing:
+                timing["triton_speedup_vs_looped"] = timing["looped_ms"] / timing["triton_ms"]
+            timings.append(timing)
+    return {"shape": shape, "correctness": correctness, "all_pass": all(c["pass"] for c in correctness),
+            "timings": timings, "bandwidth_gbps_given": args.bandwidth_gbps}
 
 
 # ------------------------------------------------------------------------------------------------- graphs
@@ -665,6 +726,7 @@ def section_parallel(args: argparse.Namespace) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kernels": section_kernels,
+    "moe": section_moe,
     "graphs": section_graphs,
     **{f"kilat-{m}": (lambda a, m=m: section_kilat(a, m)) for m in MODELS},
     **{f"hf-{m}": (lambda a, m=m: section_hf(a, m)) for m in MODELS},
@@ -693,6 +755,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     ngram = f"ngram-k{SPEC_K}"
 
     summary = {"kernels match the torch reference": check(get("kernels", "all_pass"), True),
+               "moe Triton experts match the per-expert loop": check(get("moe", "all_pass"), True),
                "greedy float32 equal with CUDA graphs on and off": check(get("graphs", "float32", "equal"), True),
                "CUDA-graph decode steps match eager and the torch reference":
                    check(get("graphs", "decode_step_check", "pass"), True)}

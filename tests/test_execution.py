@@ -103,7 +103,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert set(sections) == {"kernels", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
+    assert set(sections) == {"kernels", "moe", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
                              "hf-smollm2-135m", "quantization", "spec_decode", "parallel"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     # HF generate_batch sized its paged cache from free host memory (12.5 GB peak on a 24 GiB machine)
@@ -117,6 +117,8 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert sections[f"hf-{model}"]["w1_generate_batch"]["output_tokens"] == 8 * 8
         assert report["summary"][f"{model} W1 kilat / HF generate_batch"]["value"] > 0
     assert report["summary"]["kernels match the torch reference"]["met"] is True
+    assert sections["moe"]["all_pass"] is True and len(sections["moe"]["correctness"]) == 4  # 2 batches x 2 dtypes
+    assert [t["tokens"] for t in sections["moe"]["timings"] if "triton_ms" in t and "looped_ms" in t] == [1, 16]
     variants = sections["quantization"]["variants"]
     assert [name for name, v in variants.items() if "decode_tokens_per_s" not in v] == [], variants
     assert variants["fp8-w8a8"]["linear_methods"] == {"fp8 per-channel dynamic (upcast)": 9}  # _scaled_mm on GPU
