@@ -11,7 +11,13 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
-from kilat.model_executor.layers.fused_moe import FusedMoE, fused_experts, looped_experts, select_experts
+from kilat.model_executor.layers.fused_moe import (
+    FusedMoE,
+    GatedActivation,
+    fused_experts,
+    looped_experts,
+    select_experts,
+)
 from kilat.model_executor.layers.quantization import get_quantization_config_class
 
 
@@ -86,6 +92,28 @@ def test_grouped_matmul_equals_the_per_expert_loop(tokens, experts, top_k):
         for t in range(tokens)]) for k in range(top_k))
     torch.testing.assert_close(want, dense, rtol=1e-5, atol=1e-5)
     assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
+
+
+def test_swigluoai_with_biases_equals_hf_gpt_oss_experts():
+    """GPT-OSS's experts (HF stores them transposed with gate and up interleaved): kilat's layout after the same
+    conversion the GPT-OSS model applies gives HF's output, through both the grouped and the looped path."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(7)
+    hf = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, swiglu_limit=1.0))
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(6, 32) * 3  # large enough that the limit clamps
+    weights, ids = select_experts(torch.randn(6, 4), 2, renormalize=True)
+    with torch.no_grad():
+        want = hf(x, ids, weights)
+    w13 = torch.cat([hf.gate_up_proj[..., ::2], hf.gate_up_proj[..., 1::2]], dim=2).transpose(1, 2).detach()
+    b13 = torch.cat([hf.gate_up_proj_bias[:, ::2], hf.gate_up_proj_bias[:, 1::2]], dim=1).detach()
+    w2, b2 = hf.down_proj.transpose(1, 2).detach(), hf.down_proj_bias.detach()
+    act = GatedActivation("swigluoai", alpha=1.702, limit=1.0)
+    for path in (fused_experts, looped_experts):
+        torch.testing.assert_close(path(x, w13, w2, weights, ids, act, b13, b2), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_grouped_matmul_is_close_to_float32():

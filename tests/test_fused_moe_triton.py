@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kilat.model_executor.layers.fused_moe import experts, looped_experts, select_experts, triton_moe
+from kilat.model_executor.layers.fused_moe import GatedActivation, experts, looped_experts, select_experts, triton_moe
 
 TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
              torch.float16: {"atol": 5e-3, "rtol": 5e-3}}
@@ -43,6 +43,19 @@ def test_matches_looped_experts(num_tokens: int, num_experts: int, top_k: int, h
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+def test_expert_biases_and_the_clamped_swiglu() -> None:
+    """GPT-OSS's experts: per-expert biases on both projections (added before the router weight) and swigluoai
+    with a limit that clamps."""
+    x, w13, w2, topk_weights, topk_ids = make_problem(9, 6, 2, 40, 24, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    b13, b2 = torch.randn(6, 48, generator=g), torch.randn(6, 40, generator=g)
+    act = GatedActivation("swigluoai", alpha=1.702, limit=0.5)
+    expected = looped_experts(x * 4, w13, w2, topk_weights, topk_ids, act, b13, b2)
+    out = triton_moe.fused_experts(x * 4, w13, w2, topk_weights, topk_ids, act, b13, b2)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert not torch.allclose(expected, looped_experts(x * 4, w13, w2, topk_weights, topk_ids, act))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_one_expert_takes_every_token(dtype: torch.dtype) -> None:
     # expert 3 is every token's first choice (37 rows: three 16-row blocks); experts 0, 2 and 5 get nothing
@@ -68,8 +81,8 @@ def test_moe_align_block_size_layout() -> None:
 
 def test_bad_input() -> None:
     x, w13, w2, topk_weights, topk_ids = make_problem(3, 4, 2, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="activation"):
-        triton_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, "gelu")
+    with pytest.raises(ValueError, match="MoE activation must be one of"):
+        GatedActivation("gelu")
     with pytest.raises(ValueError, match="w13"):
         triton_moe.fused_experts(x, w13.bfloat16(), w2, topk_weights, topk_ids)
 

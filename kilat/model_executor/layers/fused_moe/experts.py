@@ -1,11 +1,11 @@
-"""The expert computation of a Mixture-of-Experts layer, given each token's chosen experts (:mod:`.routing`).
-
-Every token-expert pair goes through its expert's gated MLP, ``down(act(gate(x)) * up(x))``, and the results are
-summed per token, weighted by the router. :func:`fused_experts` sorts the pairs by expert and runs one grouped
-matmul per projection (``torch.nn.functional.grouped_mm``; a Triton grouped GEMM on CUDA): no Python loop over
-experts. :func:`looped_experts` runs the same computation one expert at a time, as HF transformers does; it is the
-reference, the benchmark's baseline and the fallback where ``grouped_mm`` is missing (torch < 2.9) or the expert
-sizes ``H`` and ``I`` are not multiples of 16 bytes (``grouped_mm``'s row alignment).
+"""The expert computation of a Mixture-of-Experts layer, given each token's chosen experts (:mod:`.routing`). Every
+token-expert pair goes through its expert's gated MLP, ``down(act(gate(x), up(x)))`` (each projection with its
+expert's bias when the model has them, GPT-OSS), and the results are summed per token, weighted by the router.
+:func:`fused_experts` sorts the pairs by expert and runs one grouped matmul per projection
+(``torch.nn.functional.grouped_mm``; a Triton grouped GEMM on CUDA): no Python loop over experts.
+:func:`looped_experts` runs the same computation one expert at a time, as HF transformers does; it is the reference,
+the benchmark's baseline and the fallback where ``grouped_mm`` is missing (torch < 2.9) or the expert sizes ``H``
+and ``I`` are not multiples of 16 bytes (``grouped_mm``'s row alignment).
 
 Expert weights are stacked along a leading expert dimension (``w13 [E, 2 * I, H]``: gate rows then up rows;
 ``w2 [E, H, I]``), so expert parallelism can shard them by slicing ``E``.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,19 +24,46 @@ from kilat.model_executor.layers.activation import silu_and_mul
 
 logger = logging.getLogger("kilat")
 
-ACTIVATIONS = ("silu",)
-"""Gated activations of the expert MLPs: ``silu`` (SwiGLU)."""
+ACTIVATIONS = ("silu", "swigluoai")
+"""Gated activations of the expert MLPs (:class:`GatedActivation`)."""
 
 
-def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` of ``h [N, 2 * I]`` (gate columns first) -> ``[N, I]``."""
-    if activation == "silu":
-        return silu_and_mul(h)
-    raise ValueError(f"MoE activation must be one of {ACTIVATIONS}, got {activation!r}")
+@dataclass(frozen=True)
+class GatedActivation:
+    """The gated activation of the expert MLPs, ``h [N, 2 * I]`` (gate columns first) ``-> [N, I]``.
+
+    - ``silu``: SwiGLU (Shazeer, 2020), ``silu(gate) * up``.
+    - ``swigluoai``: GPT-OSS's clamped SwiGLU (OpenAI, 2025), the gate clamped above at ``limit`` and ``up`` to
+      ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)`` (HF's ``swiglu_alpha``,
+      ``swiglu_limit``).
+
+    Raises:
+        ValueError: an unknown ``name`` (not in :data:`ACTIVATIONS`).
+    """
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ACTIVATIONS:
+            raise ValueError(f"MoE activation must be one of {ACTIVATIONS}, got {self.name!r}")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.name == "silu":
+            return silu_and_mul(h)
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = GatedActivation()
+"""SwiGLU, the default."""
 
 
 def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                   topk_ids: torch.Tensor, activation: GatedActivation = SILU, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE expert sum one expert at a time (a Python loop over the experts that have tokens).
 
     Args as :func:`fused_experts`. Returns ``[T, H]`` in ``x``'s dtype.
@@ -43,13 +71,16 @@ def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        h = _gated(x[token] @ w13[expert].t(), activation) @ w2[expert].t()
+        h = x[token] @ w13[expert].t()
+        h = activation(h if w13_bias is None else h + w13_bias[expert]) @ w2[expert].t()
+        h = h if w2_bias is None else h + w2_bias[expert]
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: GatedActivation = SILU, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token ``t``, with one grouped matmul
     per projection.
 
@@ -64,27 +95,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2: ``[E, H, I]`` each expert's down projection.
         topk_weights: float32 ``[T, top_k]`` router weights.
         topk_ids: int ``[T, top_k]`` expert ids in ``[0, E)``.
-        activation: one of :data:`ACTIVATIONS`.
+        activation: the gated activation.
+        w13_bias, w2_bias: ``[E, 2 * I]`` and ``[E, H]`` per-expert biases in ``x``'s dtype, or ``None``.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
-
-    Raises:
-        ValueError: an unknown ``activation``.
     """
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if x.is_cuda and _triton_moe() is not None:
-        return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+        return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     if not _grouped_mm_runs(x.device.type, x.dtype) or any(size * x.element_size() % 16 for size in w2.shape[1:]):
-        return looped_experts(x, w13, w2, topk_weights, topk_ids, activation)
+        return looped_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
     offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
     token = order // top_k
     h = F.grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-    h = F.grouped_mm(_gated(h, activation), w2.transpose(1, 2), offs=offsets)
+    if w13_bias is not None:
+        h = h + w13_bias[flat_ids[order]]
+    h = F.grouped_mm(activation(h), w2.transpose(1, 2), offs=offsets)
+    if w2_bias is not None:
+        h = h + w2_bias[flat_ids[order]]
     weighted = (h * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, weighted)
 

@@ -4,13 +4,12 @@ expert computation (vLLM's ``FusedMoE``)."""
 from __future__ import annotations
 
 import re
-from typing import ClassVar
 
 import torch
 from torch import nn
 
 from kilat.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
-from kilat.model_executor.layers.fused_moe.experts import fused_experts
+from kilat.model_executor.layers.fused_moe.experts import SILU, GatedActivation, fused_experts
 from kilat.model_executor.layers.fused_moe.routing import select_experts
 from kilat.model_executor.layers.linear import divide
 from kilat.model_executor.layers.quantization import QuantizationConfig
@@ -33,8 +32,9 @@ class FusedMoE(nn.Module):
     (Shazeer et al., 2017; Fedus et al., 2022), summed with the router's weights.
 
     Weights are stacked along a leading expert dimension: ``w13_weight [E, 2 * I, H]`` (gate rows then up rows)
-    and ``w2_weight [E, H, I]``, in the model dtype. Under tensor parallelism each rank holds ``I / tp_size`` of
-    every expert's intermediate features and the partial outputs are summed (all-reduce), as in a dense MLP.
+    and ``w2_weight [E, H, I]``, with ``has_bias`` also ``w13_bias [E, 2 * I]`` and ``w2_bias [E, H]``, in the model
+    dtype. Under tensor parallelism each rank holds ``I / tp_size`` of every expert's intermediate features and the
+    partial outputs are summed (all-reduce), as in a dense MLP (``w2_bias`` on rank 0 only).
     Routing is :func:`~.routing.select_experts`, the computation :func:`~.experts.fused_experts`.
 
     Args:
@@ -50,6 +50,8 @@ class FusedMoE(nn.Module):
         scoring_func, num_expert_group, topk_group, routed_scaling_factor: as :func:`~.routing.select_experts`.
         e_score_correction_bias: hold a float32 ``e_score_correction_bias [E]`` (DeepSeek-V3) read from the
             checkpoint.
+        activation: the experts' gated activation (GPT-OSS: ``GatedActivation("swigluoai", alpha, limit)``).
+        has_bias: the expert projections have biases (GPT-OSS).
 
     Raises:
         ValueError: a quantization config, or ``tensor_parallel_size`` not dividing ``intermediate_size``.
@@ -57,13 +59,12 @@ class FusedMoE(nn.Module):
     Shapes: ``forward(x [T, H], router_logits [T, E]) -> [T, H]``.
     """
 
-    activation: ClassVar[str] = "silu"
-
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  dtype: torch.dtype | None = None, quant_config: QuantizationConfig | None = None, prefix: str = "",
                  expert_names: ExpertNames = DEFAULT_EXPERT_NAMES, *, scoring_func: str = "softmax",
                  num_expert_group: int | None = None, topk_group: int | None = None,
-                 routed_scaling_factor: float = 1.0, e_score_correction_bias: bool = False) -> None:
+                 routed_scaling_factor: float = 1.0, e_score_correction_bias: bool = False,
+                 activation: GatedActivation = SILU, has_bias: bool = False) -> None:
         super().__init__()
         if quant_config is not None:
             raise ValueError(f"{prefix or 'MoE experts'}: quantization {quant_config.name!r} does not support "
@@ -75,12 +76,17 @@ class FusedMoE(nn.Module):
         self.prefix, self.expert_names = prefix, expert_names
         self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
         self.num_expert_group, self.topk_group = num_expert_group, topk_group
+        self.activation = activation
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, dtype=dtype),
                                       requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                     requires_grad=False) if e_score_correction_bias else None
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, dtype=dtype),
+                                     requires_grad=False) if has_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                    requires_grad=False) if has_bias else None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route ``x [T, H]`` by ``router_logits [T, E]`` and return the weighted expert sum ``[T, H]`` (summed over
@@ -88,13 +94,17 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group, self.topk_group,
             self.e_score_correction_bias, self.routed_scaling_factor)
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                            self.w13_bias, self.w2_bias)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def shard_keys(self) -> set[tuple[str, tuple[int, int | None]]]:
         """Every (parameter, (expert, shard)) a per-expert checkpoint must provide."""
+        names = list(self.expert_names.values())
+        if self.w13_bias is not None:
+            names += [("w13_bias", 0), ("w13_bias", 1), ("w2_bias", None)]
         keys = set()
-        for param, shard in self.expert_names.values():
+        for param, shard in names:
             keys.update((param, (e, shard)) for e in range(self.num_experts))
         if self.e_score_correction_bias is not None:
             keys.add(("e_score_correction_bias", (0, None)))
@@ -103,7 +113,8 @@ class FusedMoE(nn.Module):
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, tuple[int, int | None]]]:
         """Load checkpoint tensor ``name`` (relative to this module: ``"3.gate_proj.weight"`` for one expert,
         ``"gate_up_proj"`` / ``"down_proj"`` for the stacked ``[E, 2 * I, H]`` / ``[E, H, I]`` layout that
-        transformers 5 uses in memory, or ``"e_score_correction_bias"``), narrowed to this rank's slice.
+        transformers 5 uses in memory, ``"gate_up_proj_bias"`` / ``"down_proj_bias"`` ``[E, 2 * I]`` / ``[E, H]``
+        (gate before up in both), or ``"e_score_correction_bias"``), narrowed to this rank's slice.
 
         Returns:
             The :meth:`shard_keys` it filled.
@@ -111,12 +122,14 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: an unknown name, an expert out of range, or a shape mismatch.
         """
-        whole = {"gate_up_proj": ("w13_weight", None), "down_proj": ("w2_weight", None)}
+        whole = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+        if self.w13_bias is not None:
+            whole |= {"gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
         if name in whole:  # all experts stacked: load each one's shards
-            param, _ = whole[name]
+            param = whole[name]
             keys = []
             for e in range(self.num_experts):
-                if param == "w13_weight":
+                if param in ("w13_weight", "w13_bias"):
                     gate, up = tensor[e].chunk(2, dim=0)
                     keys += [self._load(param, e, 0, gate), self._load(param, e, 1, up)]
                 else:
@@ -136,12 +149,15 @@ class FusedMoE(nn.Module):
               ) -> tuple[str, tuple[int, int | None]]:
         """Copy one expert's projection (whole checkpoint shape) into its rows or columns of ``param``."""
         size = self.intermediate_size
-        if param == "w13_weight":  # [I, H] rows of this rank -> rows [shard * I, (shard + 1) * I)
-            target = self.w13_weight[expert, shard * size:(shard + 1) * size]
+        if param in ("w13_weight", "w13_bias"):  # [I, ...] rows of this rank -> rows [shard * I, (shard + 1) * I)
+            target = getattr(self, param)[expert, shard * size:(shard + 1) * size]
             part = tensor.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else tensor
-        else:  # [H, I] columns of this rank
+        elif param == "w2_weight":  # [H, I] columns of this rank
             target = self.w2_weight[expert]
             part = tensor.narrow(1, self.tp_rank * size, size) if self.tp_size > 1 else tensor
+        else:  # w2_bias [H]: added once, by rank 0
+            target = self.w2_bias[expert]
+            part = tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
         self._copy(target, part, f"{self.prefix} expert {expert} {param}")
         return param, (expert, shard)
 
@@ -154,4 +170,5 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         split = f", tp {self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate_size={self.intermediate_size}, "
-                f"renormalize={self.renormalize}, scoring_func={self.scoring_func}{split}")
+                f"renormalize={self.renormalize}, scoring_func={self.scoring_func}, "
+                f"activation={self.activation.name}, bias={self.w13_bias is not None}{split}")

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kilat.model_executor.attention.triton_backend import _UPCAST, _dot_precision
 from kilat.model_executor.attention.triton_kernels import _dot
-from kilat.model_executor.layers.fused_moe.experts import _gated
+from kilat.model_executor.layers.fused_moe.experts import SILU, GatedActivation
 
 _BLOCK_N = 64
 """Output columns per tile."""
@@ -72,13 +72,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
                      num_tokens_post_padded_ptr, num_pairs, N, K, stride_am, stride_ak, stride_be, stride_bn,
-                     stride_bk, stride_cm, stride_cn, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``C[p, n] = sum_k A[p // TOP_K, k] * B[expert(p), n, k]`` (times ``topk_weights[p]`` with
-    ``MUL_ROUTED_WEIGHT``) for the pairs ``p`` of one ``BLOCK_M``-row block and ``BLOCK_N`` columns."""
+                     stride_bk, stride_cm, stride_cn, stride_bias_e, TOP_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """``C[p, n] = sum_k A[p // TOP_K, k] * B[expert(p), n, k]`` (plus ``bias[expert(p), n]`` with ``HAS_BIAS``,
+    then times ``topk_weights[p]`` with ``MUL_ROUTED_WEIGHT``) for the pairs ``p`` of one ``BLOCK_M``-row block
+    and ``BLOCK_N`` columns."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -99,28 +101,33 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
         acc += _dot(a, b, DOT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         acc *= tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
-              sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor,
-              top_k: int, block_m: int, mul_routed_weight: bool) -> None:
-    """Launch :func:`_moe_gemm_kernel`: ``out [P, N]`` from ``a [P / top_k, K]`` and ``w [E, N, K]``."""
+def _moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+              num_tokens_post_padded: torch.Tensor, top_k: int, block_m: int, mul_routed_weight: bool) -> None:
+    """Launch :func:`_moe_gemm_kernel`: ``out [P, N]`` from ``a [P / top_k, K]``, ``w [E, N, K]`` and the
+    optional ``bias [E, N]``."""
     num_pairs, n = out.shape
     block_k = _BLOCK_K.get(a.dtype, 64)
     grid = (triton.cdiv(n, _BLOCK_N), expert_ids.numel())
     _moe_gemm_kernel[grid](
-        a, w, out, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs, n, w.shape[2],
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
+        a, w, out, w if bias is None else bias, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        num_pairs, n, w.shape[2], a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        out.stride(1), 0 if bias is None else bias.stride(0), TOP_K=top_k, HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_UPCAST, num_warps=4, num_stages=3)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: GatedActivation = SILU, w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token ``t``, as
     :func:`~.experts.fused_experts`, with two launches of the Triton grouped GEMM.
 
@@ -130,14 +137,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2: ``[E, H, I]`` each expert's down projection, ``x``'s dtype.
         topk_weights: float32 ``[T, top_k]`` router weights.
         topk_ids: int ``[T, top_k]`` expert ids in ``[0, E)``.
-        activation: one of :data:`~.experts.ACTIVATIONS`.
+        activation: the gated activation.
+        w13_bias, w2_bias: ``[E, 2 * I]`` and ``[E, H]`` per-expert biases (contiguous rows), or ``None``.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype: products accumulate in float32; the per-pair rows are rounded to ``x``'s
         dtype (after the router weight) and summed over ``top_k``.
 
     Raises:
-        ValueError: an unknown ``activation``, or weights not in ``x``'s dtype.
+        ValueError: weights not in ``x``'s dtype.
     """
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"MoE expert weights (w13 {w13.dtype}, w2 {w2.dtype}) must be in x's dtype {x.dtype}")
@@ -148,8 +156,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     routing = moe_align_block_size(topk_ids, block_m, num_experts)
     weights = topk_weights.reshape(-1).float()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, gate_up, weights, *routing, top_k=top_k, block_m=block_m, mul_routed_weight=False)
+    _moe_gemm(x, w13, w13_bias, gate_up, weights, *routing, top_k=top_k, block_m=block_m, mul_routed_weight=False)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(_gated(gate_up, activation), w2, down, weights, *routing, top_k=1, block_m=block_m,
+    _moe_gemm(activation(gate_up), w2, w2_bias, down, weights, *routing, top_k=1, block_m=block_m,
               mul_routed_weight=True)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
