@@ -282,9 +282,13 @@ class ParallelConfig:
 
         Raises:
             ValueError: ``tensor_parallel_size`` does not divide the attention heads, neither divides nor is a
-                multiple of the key/value heads, or ``pipeline_parallel_size`` exceeds the decoder layers.
+                multiple of the key/value heads, or is above 1 for a model of multi-head latent attention (an HF
+                config with ``kv_lora_rank``: DeepSeek-V2/V3), or ``pipeline_parallel_size`` exceeds the decoder
+                layers.
         """
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        _check(tp == 1 or getattr(hf_config, "kv_lora_rank", None) is None, "tensor_parallel_size",
+               f"({tp}) must be 1 for multi-head latent attention (DeepSeek-V2/V3) for now")
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         _check(heads % tp == 0, "tensor_parallel_size", f"({tp}) must divide num_attention_heads ({heads})")

@@ -23,12 +23,15 @@ def block_tables(seq_lens: list[int], block_size: int, generator: torch.Generato
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-                    window: int | None) -> torch.Tensor:
-    """Dense causal attention of q [Q, H, D] (positions context_len..) over k, v [S, KH, D] (positions 0..)."""
+                    window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+    """Dense causal attention of q [Q, H, D] (positions context_len..) over k, v [S, KH, D] (positions 0..); with
+    ``soft_cap`` c the scores s become c * tanh(s / c) before the mask."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,shd->hqs", q.double(), k.double()) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
     kpos = torch.arange(k.shape[0])[None, :]
     allowed = kpos <= qpos
@@ -58,26 +61,31 @@ def paged_contexts(seq_lens: list[int], query_lens: list[int], num_kv_heads: int
 
 def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
                        window: int | None = None, head_dim: int = 16, seed: int = 0, block_size: int = 4,
-                       backend: AttentionBackend | None = None, dtype: torch.dtype = torch.float32) -> None:
+                       backend: AttentionBackend | None = None, dtype: torch.dtype = torch.float32,
+                       soft_cap: float | None = None, query_scale: float = 1.0) -> None:
     """Fill the cache with each request's context, run one step with ``backend`` (default torch), compare each to
-    :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16."""
+    :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16.
+    ``soft_cap``: the layer's ``logits_soft_cap``; ``query_scale`` multiplies the random queries (large scores,
+    so that a cap bites)."""
     g = torch.Generator().manual_seed(seed)
     kv_cache, tables, full_k, full_v = paged_contexts(seq_lens, query_lens, num_kv_heads, head_dim, dtype, block_size,
                                                       g)
     md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
+    query = (query_scale * torch.randn(sum(query_lens), num_heads, head_dim, generator=g)).to(dtype)
     key = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
     value = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
     scale = head_dim ** -0.5
 
     backend = backend or get_attention_backend("torch")
     backend.write_kv(kv_cache, key, value, md.slot_mapping)
-    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(md), scale, window)
+    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(md), scale, window,
+                          logits_soft_cap=soft_cap)
 
     assert out.shape == query.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     starts = md.query_start_loc.tolist()
     for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        expected = naive_attention(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, scale, window)
+        expected = naive_attention(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, scale, window,
+                                   soft_cap)
         torch.testing.assert_close(out[starts[r]:starts[r + 1]].float(), expected.float(), atol=tolerance,
                                    rtol=tolerance)

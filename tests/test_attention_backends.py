@@ -16,6 +16,12 @@ from kilat.model_executor.attention.backends import (
 )
 from kilat.model_executor.attention.cpu_backend import CPUBackend
 from kilat.model_executor.attention.triton_backend import TritonMetadata
+from tests.attention_utils import naive_attention, run_attention_case
+
+SOFT_CAP_CASES = {"decodes": ([1, 1, 1], [3, 17, 40]), "prefills": ([9, 16, 5], [9, 16, 5]),
+                  "chunks-and-decodes": ([1, 7, 20, 1], [16, 30, 52, 33])}
+"""(query_lens, seq_lens) of the soft-capping steps: decodes only (the decode kernels), prompts without context,
+and prefill chunks over a cached context mixed with decodes."""
 
 
 def test_registry_names_classes_and_metadata() -> None:
@@ -70,3 +76,30 @@ def test_engine_greedy_float32_equal_on_cpu_backend(tiny_llama_dir: str) -> None
     assert all(len(t) == 60 for t in outputs["cpu", "auto"])
     assert outputs["cpu", "auto"] == outputs["torch", "auto"]
     assert outputs["cpu", "int8"] == outputs["torch", "int8"]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("case", sorted(SOFT_CAP_CASES))
+@pytest.mark.parametrize("backend", sorted(REGISTRY))
+def test_logits_soft_cap_matches_dense_reference(backend: str, case: str, window: int | None) -> None:
+    """Every backend soft-caps the scores (``c * tanh(s / c)`` before mask and softmax) as the dense float64
+    reference does, with and without a sliding window (Triton under its interpreter)."""
+    query_lens, seq_lens = SOFT_CAP_CASES[case]
+    run_attention_case(query_lens, seq_lens, 4, 2, window=window, block_size=4,
+                       backend=get_attention_backend(backend), soft_cap=5.0, query_scale=8.0)
+
+
+@pytest.mark.parametrize("backend", sorted(REGISTRY))
+def test_logits_soft_cap_bfloat16(backend: str) -> None:
+    query_lens, seq_lens = SOFT_CAP_CASES["chunks-and-decodes"]
+    run_attention_case(query_lens, seq_lens, 9, 3, head_dim=64, block_size=16, backend=get_attention_backend(backend),
+                       dtype=torch.bfloat16, soft_cap=5.0, query_scale=3.0)
+
+
+def test_the_soft_cap_of_those_tests_changes_the_result() -> None:
+    """Queries scaled 8x give scores of standard deviation 8: a cap of 5 moves the outputs (the tests above would
+    not notice a backend that ignored it otherwise)."""
+    g = torch.Generator().manual_seed(0)
+    q, (k, v) = 8 * torch.randn(5, 4, 16, generator=g), torch.randn(2, 12, 2, 16, generator=g)
+    capped, plain = naive_attention(q, k, v, 7, 0.25, None, 5.0), naive_attention(q, k, v, 7, 0.25, None)
+    assert (capped - plain).abs().max() > 0.3

@@ -44,6 +44,19 @@ async def render_once(processor: InputProcessor, call: dict[str, Any]) -> str:
         await worker.close()
 
 
+def test_a_model_without_a_chat_template_needs_one_given() -> None:
+    """A base model's tokenizer has no template (Gemma 3 270M's GGUF): chat says a template must be given (the
+    server answers 400 naming ``chat_template``, as test_gemma3_270m shows), and renders with one that is."""
+    tokenizer = get_tokenizer()
+    tokenizer.chat_template = None
+    bare = InputProcessor(tokenizer, vocab_size=49152, max_model_len=2048, eos_token_id=2)
+    with pytest.raises(ValueError, match=r"^chat_template: this model has no chat template .* must give one in "
+                                         r"chat_template .* or use the completions API"):
+        bare.apply_chat_template(MESSAGES[:2])
+    assert bare.apply_chat_template(MESSAGES[:2], chat_template=TOOL_TEMPLATE) == \
+        "<system>Be brief.<user>Hi<assistant>"
+
+
 @pytest.mark.parametrize("template, generation, kwargs", [
     (None, False, {}),  # the model's own template, continuing the final message
     (TOOL_TEMPLATE, True, {"greeting": "!"}),

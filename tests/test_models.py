@@ -12,6 +12,10 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -27,7 +31,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kilat.config import ModelConfig
-from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
+from kilat.model_executor.attention import AttentionMetadata, allocate_kv_cache
 from kilat.model_executor.attention.backends import get_attention_backend
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.layers import Linear, RotaryEmbedding, apply_rotary, can_pack, rope_inv_freq
@@ -73,6 +77,34 @@ CASES: dict[str, PretrainedConfig] = {
     "olmoe-qk-norm-clip": OlmoeConfig(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
                                       num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, norm_topk_prob=False,
                                       tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Gemma: sliding layers (window 8) mixed with full ones, a softmax scale from query_pre_attn_scalar != head_dim,
+    # caps that bite (attention scores reach ~11, logits ~3 here); Gemma 3 with its own RoPE for the sliding layers
+    # and linear scaling on the full ones, and an attn_logit_softcapping that HF's Gemma 3 ignores (so must we)
+    "gemma2-softcaps-sliding": Gemma2Config(**_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            attn_logit_softcapping=4.0, final_logit_softcapping=2.0),
+    "gemma3-local-rope-qk-norm": Gemma3TextConfig(
+        **_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=48,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=2.5,
+        attn_logit_softcapping=4.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+    # DeepSeek: multi-head latent attention (latent cache of kv_lora_rank 32 + rope 16 per token) with shared experts;
+    # V2-Lite's plain q_proj and group-limited softmax routing (unnormalized, scaled), every layer MoE; V3's low-rank
+    # queries, sigmoid routing with a (randomized) correction bias in groups, a dense first layer, YaRN's mscale
+    "deepseek-v2-mla-group-limited": DeepseekV2Config(
+        **_COMMON, vocab_size=256, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, first_k_dense_replace=0, tie_word_embeddings=False),
+    "deepseek-v3-mla-sigmoid-bias-dense-first": DeepseekV3Config(
+        **{**_COMMON, "num_hidden_layers": 3}, vocab_size=256, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.8, "original_max_position_embeddings": 64}),
 }
 
 
@@ -91,6 +123,9 @@ def random_hf_model(config: PretrainedConfig, path: Path) -> torch.nn.Module:
     with torch.no_grad():  # HF init leaves biases 0 and norms 1; randomize everything so all of it is tested
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+        for name, b in hf.named_buffers():  # DeepSeek-V3's router bias is a buffer (HF initializes it to 0)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     hf.save_pretrained(path)
     return hf
 
@@ -118,8 +153,7 @@ class _Sequences:
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables = [perm[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
         dtype = next(model.parameters()).dtype
-        self.kv = allocate_kv_caches(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                                     dtype, "cpu")
+        self.kv, _ = allocate_kv_cache(model.kv_spec, model.num_layers, num_blocks, block_size, dtype, "cpu")
 
     def step(self, chunks: list[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
         """One forward over ``(request, new token ids, context_len)`` chunks; logits of every new token."""

@@ -5,6 +5,7 @@ from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.core.scheduler_output import ModelRunnerOutput
+from kilat.model_executor.request_state import CachedRequestState
 from kilat.sampling_params import SamplingParams
 
 
@@ -146,3 +147,66 @@ def test_pipelined_steps_take_turns_and_never_touch_in_flight_requests():
     out = s.schedule()  # a takes the last free block; b needs one too and preempts itself, not c (newer, in flight)
     assert out.preempted_req_ids == {"b"} and list(out.num_scheduled_tokens) == ["a"]
     assert s.requests["c"].status == RequestStatus.RUNNING and kv.num_blocks(s.requests["c"]) == 2
+
+
+def _apply_to_runner(states: dict[str, CachedRequestState], out) -> None:
+    """What the model runner does with a step's output to its request states (their block tables)."""
+    for rid in out.finished_req_ids:
+        states.pop(rid, None)
+    for new in out.scheduled_new_reqs:
+        states[new.req_id] = CachedRequestState(new)
+    cached = out.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        states[rid].update(cached, i)
+
+
+def test_sliding_window_frees_blocks_and_the_runner_table_points_at_the_null_block():
+    """Window 8, blocks of 4, 8-token chunks: a 20-token prompt's blocks behind ``computed - 7`` are freed as it
+    prefills and decodes; the runner's table (kept from the step data alone) equals the manager's, null blocks
+    (id 0) included."""
+    kv = KVCacheManager(16, 4, enable_caching=True, sliding_window=8)
+    s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
+    a = req("a", 20, max_tokens=12)
+    s.add_request(a)
+    states: dict[str, CachedRequestState] = {}
+    nulls, held = [], []
+    while s.num_unfinished:
+        computed = a.num_computed_tokens
+        out, _ = run_step(s)
+        _apply_to_runner(states, out)
+        if not a.is_finished:
+            assert states["a"].block_ids == kv.get_block_ids(a)
+            assert kv.num_null_blocks(a) == max(0, computed - 7) // 4
+            nulls.append(kv.num_null_blocks(a))
+            held.append(kv.num_blocks(a) - nulls[-1])
+            assert kv.num_free_blocks == 15 - held[-1]
+    # prefill 0-8-16 (+4), then decodes from 20 to 30 computed tokens
+    assert nulls == [max(0, c - 7) // 4 for c in [0, 8, 16, *range(20, 30)]] == [0, 0, 2, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5]
+    assert max(held) == 4 and kv.num_free_blocks == 15
+
+
+def test_sliding_window_preemption_and_resume_keep_tables_exact():
+    """Six usable blocks: a decoding request (35 tokens in the end, more than the 24 slots of the cache) and a
+    30-token prompt in 7-token chunks. Each chunk that outgrows the pool preempts the prompt, whose next admission
+    finds its computed chunks in the prefix cache behind null blocks (the window's hit), so it still advances; the
+    runner's tables (kept from the step data alone) equal the manager's throughout."""
+    kv = KVCacheManager(7, 4, enable_caching=True, sliding_window=8)
+    s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
+    a = Request("a", list(range(1, 6)), SamplingParams(max_tokens=30), None)
+    b = Request("b", list(range(50, 80)), SamplingParams(max_tokens=5), None)
+    s.add_request(a)
+    s.add_request(b)
+    states: dict[str, CachedRequestState] = {}
+    resumed_nulls = []
+    while s.num_unfinished:
+        out, _ = run_step(s)
+        _apply_to_runner(states, out)
+        cached = out.scheduled_cached_reqs
+        resumed_nulls += [n for r, n in zip(cached.resumed_from_preemption, cached.num_null_blocks, strict=True) if r]
+        for r in (a, b):
+            if r.request_id in out.num_scheduled_tokens and not r.is_finished:
+                assert states[r.request_id].block_ids == kv.get_block_ids(r)
+                assert kv.num_blocks(r) - kv.num_null_blocks(r) <= 5  # 1 + ceil((8 + 8 - 2) / 4)
+    assert s.num_preemptions == 6 and resumed_nulls == [0, 1, 2, 3, 4, 5]
+    assert (a.num_tokens, a.num_output_tokens, b.num_output_tokens) == (35, 30, 5)
+    assert kv.num_free_blocks == 6

@@ -14,6 +14,7 @@ from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.core.scheduler_output import SchedulerOutput
+from kilat.core.sliding_window import describe_sliding_windows, kv_sliding_window, max_blocks_per_request
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.executor import get_executor_class
 from kilat.executor.abstract import WorkerDiedError
@@ -99,9 +100,10 @@ class EngineCore:
         self.executor = get_executor_class(config.parallel.executor_backend)(config)
         info = self.info = self.executor.info
         self.max_model_len = info.max_model_len
-        self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.connector = create_kv_connector(config, KVConnectorRole.SCHEDULER, KVCacheSpec(
             info.num_blocks, config.cache.block_size, info.bytes_per_block, info.dtype, info.kv_cache_dtype))
+        self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 self._sliding_window())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens,
                                    self.executor.max_concurrent_batches, self.connector)
         self.stats = EngineStats()
@@ -113,6 +115,28 @@ class EngineCore:
                     "%d bytes per block)", info.num_blocks, config.cache.block_size,
                     info.num_blocks * config.cache.block_size, self.max_model_len,
                     config.cache.kv_cache_dtype, info.kv_cache_dtype, info.bytes_per_block)
+
+    def _sliding_window(self) -> int | None:
+        """The window by which the KV cache manager frees requests' blocks (:mod:`kilat.core.sliding_window`), or
+        ``None``: no window on some layer, a KV connector (the offload tier and P/D transfer read and write
+        requests' whole block tables by id), or too few blocks to spare the null block (pipeline parallelism's
+        start-up check asks for ``max_model_len``). Logs the saving, or why there is none."""
+        info, config = self.info, self.config
+        window = kv_sliding_window(info.sliding_windows, self.max_model_len)
+        spec = config.speculative
+        decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0) + info.num_lookahead_tokens
+        step_tokens = config.scheduler.max_num_batched_tokens + info.num_lookahead_tokens
+        kept = None
+        if window is not None and self.connector is not None:
+            kept = f"the KV connector {config.kv_connector_name} reads whole block tables"
+        elif window is not None and info.num_blocks - 1 < max_blocks_per_request(
+                self.max_model_len, config.cache.block_size, window, step_tokens):
+            kept = "too few blocks to spare the null block"
+        report = describe_sliding_windows(info.sliding_windows, kept, config.cache.block_size, info.bytes_per_block,
+                                          self.max_model_len, decode_tokens, step_tokens)
+        if report:
+            logger.info("KV cache: %s", report)
+        return None if kept is not None else window
 
     @property
     def runner(self) -> ModelRunner:

@@ -350,7 +350,8 @@ class Scheduler:
             self._num_sent_tokens[rid] = request.num_tokens
             if num_sent is not None or rid in resumed:
                 out.scheduled_cached_reqs.append(rid, rid in resumed, new_blocks, num_blocks,
-                                                 request.num_computed_tokens, request.all_token_ids[num_sent_tokens:])
+                                                 request.num_computed_tokens, request.all_token_ids[num_sent_tokens:],
+                                                 self.kv.num_null_blocks(request))
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params, request.eos_token_id, request.index,

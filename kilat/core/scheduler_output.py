@@ -31,7 +31,8 @@ class NewRequestData:
         sampling_params: its parameters (``max_tokens`` resolved).
         eos_token_id: the model's EOS id, or ``None``.
         index: which of its parent's ``n`` completions it is (a seeded generator starts at ``seed + index``).
-        block_ids: its KV block ids in token order, prefix-cache hits first.
+        block_ids: its KV block ids in token order, prefix-cache hits first (led by null blocks where a sliding
+            window's hit starts after the first block).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
     """
 
@@ -61,6 +62,9 @@ class CachedRequestData:
         num_computed_tokens: tokens whose KV is computed before this step.
         new_token_ids: the tokens the request gained (sampled, accepted drafts) since it was last sent; read by the
             pipeline stages that do not sample (vLLM's field of the same name).
+        num_null_blocks: leading entries of the request's table that its sliding window left behind (their
+            blocks were freed): the runner points them at the null block,
+            :data:`~kilat.core.block_pool.NULL_BLOCK_ID` (0 without a window).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -69,9 +73,10 @@ class CachedRequestData:
     num_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
+    num_null_blocks: list[int] = field(default_factory=list)
 
     def append(self, req_id: str, resumed: bool, new_block_ids: list[int], num_blocks: int,
-               num_computed_tokens: int, new_token_ids: list[int]) -> None:
+               num_computed_tokens: int, new_token_ids: list[int], num_null_blocks: int = 0) -> None:
         """Add one request's row."""
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed)
@@ -79,6 +84,7 @@ class CachedRequestData:
         self.num_blocks.append(num_blocks)
         self.num_computed_tokens.append(num_computed_tokens)
         self.new_token_ids.append(new_token_ids)
+        self.num_null_blocks.append(num_null_blocks)
 
 
 @dataclass

@@ -16,12 +16,13 @@
 //
 // Op (namespace kilat_cpu_attn): paged_attention(query [T, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
 // kv_scales [2, blocks, block_size, KVH]?, block_table int32 [R, nb], seq_lens int32 [R], query_start_loc int32
-// [R + 1], scale, sliding_window) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
+// [R + 1], scale, sliding_window, logits_soft_cap) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
 // kilat/model_executor/attention/metadata.py). query may be a strided view (last dimension contiguous); kv_cache
 // contiguous, of the query's dtype (float32, bfloat16 or float16), or int8 / fp8 (e4m3, e5m2) with float32
 // kv_scales (kilat/model_executor/attention/kv_cache.py). Request r's new tokens are query rows
 // query_start_loc[r] .. query_start_loc[r + 1] - 1, at the last positions of its seq_lens[r]; the token at position p
-// sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p).
+// sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p). With logits_soft_cap c > 0 each score
+// s (scale times q.k) becomes c tanh(s / c) before the mask and the softmax (Gemma 2's attention logit soft-capping).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -288,6 +289,7 @@ struct Problem {
   const int32_t* q_start;        // [reqs + 1]
   float scale;
   int64_t window;
+  float soft_cap = 0.f;  // attention logit soft-capping (> 0), or 0 for none
   Storage storage = Storage::model;
   const float* kv_scales = nullptr;  // [2, blocks, block_size, kv_heads] for a quantized cache
   int64_t scale_values = 0;          // offset of the values' scales
@@ -304,6 +306,14 @@ struct Problem {
     return ((block * block_size + pos % block_size) * kv_heads + h) * dim;
   }
 };
+
+// s[0:n] = c tanh(s / c) with c = p.soft_cap (attention logit soft-capping), when it is set: on a tile's scores,
+// before the mask. Scalar tanh: a soft-capped model pays it per score, the others one branch per tile row.
+inline void soft_cap(const Problem& p, float* s, int64_t n) {
+  if (p.soft_cap <= 0.f) return;
+  const float c = p.soft_cap, inv = 1.f / p.soft_cap;
+  for (int64_t j = 0; j < n; ++j) s[j] = c * std::tanh(s[j] * inv);
+}
 
 // dst[0:dim] = the key (value = false) or value row at element offset `row` as float32: converted, or dequantized
 // as the torch backend does (kilat/model_executor/attention/kv_cache.py, dequantize_kv): stored value times the
@@ -385,6 +395,7 @@ void attend(const Problem& p, const void* cache, const Span& sp, int64_t begin, 
     for (int64_t i = 0; i < rows; ++i) {
       float* s = &sc.s[i * kTile];
       dots(&sc.q[i * dim], sc.k.data(), n, dim, s);
+      soft_cap(p, s, n);
       if (!whole) {  // keys of this tile the row's token does not see get weight 0
         const int64_t pos = ctx + sp.t0 + i / p.group, lo = p.first_key(pos) - t0, hi = pos - t0;
         if (lo > hi || lo >= n || hi < 0) {
@@ -443,7 +454,10 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, con
       }
       for (int g = 0; g < G; ++g) s[g * kTile + j] = hsum8(acc[g]);
     }
-    for (int g = 0; g < G; ++g) scale(softmax_step(s + g * kTile, n, st.m[g], st.l[g]), &st.acc[g * dim], dim);
+    for (int g = 0; g < G; ++g) {
+      soft_cap(p, s + g * kTile, n);
+      scale(softmax_step(s + g * kTile, n, st.m[g], st.l[g]), &st.acc[g * dim], dim);
+    }
     for (int64_t i = 0; i < dim; i += 16) {
       __m256 a[G][2];
       for (int g = 0; g < G; ++g)
@@ -561,6 +575,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const void* cache, 
     const bool whole = t0 >= all_from && t0 + n - 1 <= all_to;
     for (int64_t i = 0; i < rows; ++i) {
       float* s = &sc.s[i * kTile];
+      soft_cap(p, s, n);
       float correction = 1.f;
       bool none = false;
       if (!whole) {  // keys of this tile the row's token does not see get weight 0
@@ -704,7 +719,7 @@ void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T*
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, double logits_soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu() &&
                   seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
               "paged_attention runs on the CPU: every tensor must be a CPU tensor");
@@ -750,6 +765,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   p.q_start = query_start_loc.data_ptr<int32_t>();
   p.scale = static_cast<float>(scale);
   p.window = sliding_window;
+  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be positive, or 0 for none");
+  p.soft_cap = static_cast<float>(logits_soft_cap);
   TORCH_CHECK(p.q_start[0] == 0 && p.q_start[p.reqs] == query.size(0),
               "query_start_loc must run from 0 to the number of query tokens");
   std::vector<int64_t> decodes, extends;
@@ -783,5 +800,5 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(kilat_cpu_attn, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor? kv_scales, Tensor block_table, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int sliding_window) -> Tensor", paged_attention);
+        "Tensor query_start_loc, float scale, int sliding_window, float logits_soft_cap=0.) -> Tensor", paged_attention);
 }

@@ -183,12 +183,17 @@ class InputProcessor:
         render it as text (``chat_template_kwargs`` become template variables).
 
         Raises:
-            ValueError: no tokenizer, malformed messages, both ``add_generation_prompt`` and
-                ``continue_final_message``, or ``chat_template_kwargs`` that would override one of the
-                renderer's own arguments (``messages``, ``tools``, ``chat_template``, ``tokenize``, ...).
+            ValueError: no tokenizer, no template (the model has none and ``chat_template`` is not given: a base
+                model), malformed messages, both ``add_generation_prompt`` and ``continue_final_message``, or
+                ``chat_template_kwargs`` that would override one of the renderer's own arguments (``messages``,
+                ``tools``, ``chat_template``, ``tokenize``, ...).
         """
         if self.tokenizer is None:
             raise ValueError("messages: chat needs a tokenizer (the engine runs with skip_tokenizer_init)")
+        if chat_template is None and not self.tokenizer.chat_template:
+            raise ValueError("chat_template: this model has no chat template (a base model, such as gemma-3-270m): "
+                             "a chat request must give one in chat_template (the server accepts it with "
+                             "--trust-request-chat-template), or use the completions API with a plain prompt")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):

@@ -30,6 +30,8 @@ class WorkerInfo:
         kv_cache_dtype: the KV cache's storage dtype name (``"bfloat16"``, ``"int8"``, ...).
         bytes_per_block: bytes one KV block takes over all layers of one tensor-parallel rank (scales and a draft
             model's cache included).
+        sliding_windows: the attention window of each KV cache (``None``: full attention): each pipeline stage's
+            layers then its draft model's, in stage order (:func:`~kilat.core.sliding_window.kv_sliding_window`).
     """
 
     hf_config: Any
@@ -41,17 +43,20 @@ class WorkerInfo:
     num_lookahead_tokens: int
     kv_cache_dtype: str
     bytes_per_block: int
+    sliding_windows: tuple[int | None, ...] = ()
 
 
 def combine_infos(infos: list[WorkerInfo], parallel: Any) -> WorkerInfo:
     """The engine's view of every rank's info (by rank, ``parallel`` a :class:`~kilat.config.ParallelConfig`): the
     output rank's, with the fewest KV blocks any rank has (ranks may size their caches apart: CUDA profiling), and
-    weight and KV sizes added up over the pipeline stages (tensor-parallel rank 0 of each)."""
+    weight and KV sizes added up over the pipeline stages (tensor-parallel rank 0 of each), and the stages' sliding
+    windows in stage order."""
     stages = infos[::parallel.tensor_parallel_size]
     return dataclasses.replace(infos[parallel.output_rank], num_blocks=min(i.num_blocks for i in infos),
                                weight_bytes=sum(i.weight_bytes for i in stages),
                                kv_bytes_per_token=sum(i.kv_bytes_per_token for i in stages),
-                               bytes_per_block=sum(i.bytes_per_block for i in stages))
+                               bytes_per_block=sum(i.bytes_per_block for i in stages),
+                               sliding_windows=tuple(w for i in stages for w in i.sliding_windows))
 
 
 T = TypeVar("T")

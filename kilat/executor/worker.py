@@ -67,7 +67,7 @@ class Worker:
                           max_model_len=runner.max_model_len,
                           num_blocks=runner.num_blocks, num_lookahead_tokens=runner.num_lookahead_tokens,
                           kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
-                          bytes_per_block=runner.bytes_per_block)
+                          bytes_per_block=runner.bytes_per_block, sliding_windows=runner.sliding_windows)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (:meth:`ModelRunner.execute`)."""

@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from kilat.model_executor.attention.backends import AttentionBackend
     from kilat.model_executor.attention.metadata import AttentionMetadata
+    from kilat.model_executor.attention.plans import StepPlans
 
 
 @dataclass
@@ -25,8 +26,10 @@ class ForwardContext:
 
     Attributes:
         attn_metadata: the step's common attention metadata (built once per step).
-        kv_caches: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
-            storage dtype (index 0 keys, 1 values); layer ``i`` reads and writes ``kv_caches[i]``.
+        kv_caches: one tensor per layer in the layout of the model's ``kv_spec``
+            (:mod:`kilat.model_executor.attention.kv_cache`): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+            in the cache's storage dtype (index 0 keys, 1 values), or an MLA latent cache; layer ``i`` reads and
+            writes ``kv_caches[i]``.
         backend: the attention backend to run; ``None`` is the torch reference (see :attr:`attn_backend`).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels
             (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
@@ -40,6 +43,7 @@ class ForwardContext:
     fused_kernels: bool = False
     kv_scales: list[torch.Tensor] | None = None
     _backend_metadata: Any = field(default=None, init=False, repr=False)
+    _step_plans: StepPlans | None = field(default=None, init=False, repr=False)
 
     @property
     def attn_backend(self) -> AttentionBackend:
@@ -57,6 +61,19 @@ class ForwardContext:
         if self._backend_metadata is None:
             self._backend_metadata = self.attn_backend.build_metadata(self.attn_metadata)
         return self._backend_metadata
+
+    @property
+    def step_plans(self) -> StepPlans:
+        """The step's host plans of the torch attention path (:class:`~kilat.model_executor.attention.plans.
+        StepPlans`), for layers that attend in torch whatever the backend (multi-head latent attention): the
+        backend's own metadata when it is these plans (the torch backend), else built once when the first layer
+        asks."""
+        from kilat.model_executor.attention.plans import StepPlans
+
+        if self._step_plans is None:
+            metadata = self.backend_metadata if self.attn_backend.name == "torch" else None
+            self._step_plans = metadata if isinstance(metadata, StepPlans) else StepPlans(self.attn_metadata)
+        return self._step_plans
 
 
 _current: ForwardContext | None = None

@@ -19,16 +19,18 @@ import torch
 
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kilat.core.sliding_window import kv_sliding_window, max_blocks_per_request
 from kilat.distributed.parallel_state import get_pp_group, recv_from_prev_stage, send_to_next_stage
 from kilat.kv_connector.base import KVCacheSpec, KVConnectorRole, create_kv_connector
 from kilat.model_executor.attention import (
     AttentionMetadata,
-    allocate_kv_caches,
-    allocate_kv_scales,
-    kv_cache_bytes_per_block,
+    FullAttentionSpec,
+    allocate_kv_cache,
+    blocks_on_dim1,
     kv_cache_storage_dtype,
 )
 from kilat.model_executor.attention.backends import get_attention_backend, resolve_attention_backend
+from kilat.model_executor.attention.layer import attention_windows
 from kilat.model_executor.cpu_threads import ThreadGovernor
 from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
@@ -57,6 +59,8 @@ class ModelRunner:
         kv_cache_dtype: the KV cache's storage dtype (``CacheConfig.kv_cache_dtype`` resolved: the model dtype,
             ``torch.int8`` or a float8 dtype).
         bytes_per_block: bytes one KV block takes over all layers, scales and the draft model's cache included.
+        sliding_windows: each KV cache's attention window (``None``: full attention), this stage's target layers
+            then the draft model's (what the engine core's KV cache manager frees blocks by).
         kv_caches, kv_scales: the KV cache tensors and, for int8/fp8, their scales (else ``None``), one per layer.
         attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
@@ -89,15 +93,12 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.draft_model = self._load_draft_model()
-        self.bytes_per_block = sum(kv_cache_bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
-                                                            self.kv_cache_dtype)
+        self.bytes_per_block = sum(m.num_layers * block_size * m.kv_spec.bytes_per_token(self.kv_cache_dtype)
                                    for m in (self.model, self.draft_model) if m is not None)
+        self.sliding_windows = tuple(w for m in (self.model, self.draft_model) if m is not None
+                                     for w in attention_windows(m, m.num_layers))
         self.num_blocks = self._num_blocks(self.bytes_per_block)
-        capacity = self.num_blocks * block_size
-        if capacity < self.max_model_len:
-            raise ValueError(f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks), fewer than "
-                             f"max_model_len ({self.max_model_len}); raise kv_cache_memory / "
-                             f"gpu_memory_utilization or lower max_model_len")
+        self._check_capacity()
         if not config.scheduler.enable_chunked_prefill and \
                 config.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({config.scheduler.max_num_batched_tokens}) must be >= "
@@ -108,21 +109,49 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graphs = None
         if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager \
-                and self.pp.world_size == 1:
+                and self.pp.world_size == 1 and isinstance(self.model.kv_spec, FullAttentionSpec):  # MLA: eager
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
                                                self.device, self.kv_scales)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_connector = create_kv_connector(config, KVConnectorRole.WORKER, self.kv_cache_spec)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches([t for group in (self.kv_caches, self.kv_scales, self.draft_kv_caches,
-                                                                  self.draft_kv_scales) for t in group or ()])
+            self.kv_connector.register_kv_caches([blocks_on_dim1(t) for group in (
+                self.kv_caches, self.kv_scales, self.draft_kv_caches, self.draft_kv_scales) for t in group or ()])
         spec = config.speculative
         self.proposer: Proposer | None = None if spec is None or not self.pp.is_last else build_proposer(spec, self)
         self.num_lookahead_tokens = self.proposer.num_lookahead_tokens if self.proposer is not None else 0
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
+        logger.info("KV cache: %d bytes per token, %d layers of %s", self.bytes_per_block // block_size,
+                    self.model.num_layers, self.model.kv_spec)
+
+    def _check_capacity(self) -> None:
+        """Refuse a KV cache too small for one request: ``max_model_len`` tokens, or, where the engine core frees
+        blocks behind a sliding window (every layer has one, no KV connector, one pipeline stage: a stage does not
+        see the others' layers), the most blocks a request then holds at once, besides the null block.
+
+        Raises:
+            ValueError: too few blocks.
+        """
+        config = self.config
+        window = kv_sliding_window(self.sliding_windows, self.max_model_len) \
+            if config.kv_connector_name is None and self.pp.world_size == 1 else None
+        lookahead = config.speculative.num_speculative_tokens if self.draft_model is not None else 0
+        needed = max_blocks_per_request(self.max_model_len, self.block_size, window,
+                                        config.scheduler.max_num_batched_tokens + lookahead)
+        usable = self.num_blocks - (window is not None)
+        if usable >= needed:
+            return
+        if window is None:
+            raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
+                             f"blocks), fewer than max_model_len ({self.max_model_len}); raise kv_cache_memory / "
+                             f"gpu_memory_utilization or lower max_model_len")
+        raise ValueError(f"the KV cache has {usable} blocks besides the null block, fewer than the {needed} that one "
+                         f"request may hold at once with sliding window {window} (max_num_batched_tokens "
+                         f"{config.scheduler.max_num_batched_tokens}); raise kv_cache_memory / "
+                         f"gpu_memory_utilization or lower max_num_batched_tokens")
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -143,10 +172,8 @@ class ModelRunner:
     def _allocate_kv(self, model: torch.nn.Module, num_blocks: int
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """``model``'s KV cache of ``num_blocks`` blocks in :attr:`kv_cache_dtype`, and its scales (or ``None``)."""
-        shape = (model.num_layers, num_blocks, self.block_size, model.num_kv_heads)
-        return (allocate_kv_caches(*shape, model.head_dim, self.kv_cache_dtype, self.device,
-                                   self.attn_backend.kv_cache_shape),
-                allocate_kv_scales(*shape, self.kv_cache_dtype, self.device))
+        return allocate_kv_cache(model.kv_spec, model.num_layers, num_blocks, self.block_size, self.kv_cache_dtype,
+                                 self.device, self.attn_backend.kv_cache_shape)
 
     def _load_draft_model(self) -> torch.nn.Module | None:
         """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kilat.core.block_pool import NULL_BLOCK_ID
 from kilat.core.request import TokenSequence
 from kilat.core.scheduler_output import CachedRequestData, NewRequestData
 from kilat.sampling_params import SamplingParams
@@ -26,7 +27,8 @@ class CachedRequestState(TokenSequence):
         all_token_ids: prompt then output tokens.
         max_tokens: ``sampling_params.max_tokens``.
         generator: a CPU generator seeded with ``seed + index`` when the request has a seed, else ``None``.
-        block_ids: its KV block table.
+        block_ids: its KV block table (entries its sliding window left behind are the null block).
+        num_null_blocks: leading entries of ``block_ids`` known to be the null block.
         num_computed_tokens: positions whose target KV is computed.
         spec_token_ids: the drafts to verify this step, or (after the step) those proposed for the next.
         spec_probs: float32 ``[len(spec_token_ids), V]``, the draft model's ``q`` for random drafts, else ``None``.
@@ -48,6 +50,7 @@ class CachedRequestState(TokenSequence):
             self.generator = torch.Generator()
             self.generator.manual_seed(new.sampling_params.seed + new.index)
         self.block_ids = list(new.block_ids)
+        self.num_null_blocks = 0
         self.num_computed_tokens = new.num_computed_tokens
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
@@ -64,9 +67,14 @@ class CachedRequestState(TokenSequence):
         if cached.resumed_from_preemption[i]:
             self.block_ids = list(new_blocks)
             self.draft_num_computed = self.num_computed_tokens
+            self.num_null_blocks = cached.num_null_blocks[i]
             return
         del self.block_ids[cached.num_blocks[i] - len(new_blocks):]
         self.block_ids.extend(new_blocks)
+        num_null = cached.num_null_blocks[i]
+        if num_null > self.num_null_blocks:  # blocks freed behind the window
+            self.block_ids[self.num_null_blocks:num_null] = [NULL_BLOCK_ID] * (num_null - self.num_null_blocks)
+            self.num_null_blocks = num_null
 
     def set_scheduled_drafts(self, drafts: list[int]) -> None:
         """Keep the drafts the scheduler sent for this step (a prefix of those proposed, maybe none)."""

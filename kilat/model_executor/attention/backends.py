@@ -67,7 +67,9 @@ class AttentionBackend(ABC):
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """One layer's KV cache shape; by default :func:`~.kv_cache.kv_cache_shape` (``[2, num_blocks, block_size,
-        num_kv_heads, head_dim]``), which every backend here shares, so the oracle reads any backend's cache."""
+        num_kv_heads, head_dim]``), which every backend here shares, so the oracle reads any backend's cache.
+        Backends serve layers of full attention only: a multi-head latent attention layer (``MLAAttentionSpec``)
+        has its own latent cache layout and attends in torch (:mod:`.mla`), never through a backend."""
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     @abstractmethod
@@ -89,7 +91,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any, scale: float, sliding_window: int | None = None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """Causal attention of every new token over its request's whole paged context, after :meth:`write_kv`.
 
         Heads follow grouped-query attention (Ainslie et al., 2023): query head ``h`` reads KV head
@@ -104,6 +106,8 @@ class AttentionBackend(ABC):
             scale: softmax scale, usually ``head_dim ** -0.5``.
             sliding_window: if set, position ``p`` sees only keys ``p - sliding_window < j <= p`` (Mistral).
             kv_scales: the scales of an int8/fp8 cache, else ``None``.
+            logits_soft_cap: if set (``c > 0``), each score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before
+                the mask and the softmax (attention logit soft-capping, Gemma 2; vLLM's ``logits_soft_cap``).
 
         Returns:
             ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.

@@ -1,10 +1,16 @@
 """Paged KV cache layout, allocation, sizing and quantization (PagedAttention, Kwon et al., SOSP 2023).
 
-The layout of one layer, declared here and nowhere else:
+The layout of one layer, declared here and nowhere else. A model declares which of two kinds its layers' caches
+are (its ``kv_spec``, from its attention layers), and the model runner sizes and allocates from that spec:
 
-- ``kv_cache``: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values) in the
-  storage dtype: the model dtype for ``kv_cache_dtype="auto"``, else ``torch.int8``, ``torch.float8_e4m3fn``
-  or ``torch.float8_e5m2``.
+- :class:`FullAttentionSpec` (multi-head / grouped-query attention), ``kv_cache``:
+  ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values) in the storage dtype: the
+  model dtype for ``kv_cache_dtype="auto"``, else ``torch.int8``, ``torch.float8_e4m3fn`` or
+  ``torch.float8_e5m2``.
+- :class:`MLAAttentionSpec` (multi-head latent attention, DeepSeek-V2/V3), ``kv_cache``:
+  ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` in the model dtype: each token's normalized
+  compressed KV latent ``c_kv`` then its rotated shared rope key ``k_pe``; no per-head keys or values
+  (:mod:`.mla`).
 - ``kv_scales`` (quantized storage only): float32 ``[2, num_blocks, block_size, num_kv_heads]``, the scale of
   each stored token and KV head; the stored vector is ``x / scale`` rounded to the storage dtype, read back as
   ``stored * scale`` in the model dtype. The scale is symmetric, ``absmax(x) / QMAX`` over the head's
@@ -21,6 +27,7 @@ every quantized dtype, and keys beyond fp8's range (models with large key outlie
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -79,15 +86,89 @@ def dequantize_kv(stored: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return stored.to(dtype).mul_(scales.to(dtype)[..., None])
 
 
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """The KV cache of one layer of multi-head or grouped-query attention: every KV head's keys and values
+    (``[2, num_blocks, block_size, num_kv_heads, head_dim]``, per-token scales when quantized; vLLM's
+    ``FullAttentionSpec``).
+
+    Raises:
+        ValueError: ``num_kv_heads`` or ``head_dim`` not positive.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        _check_positive(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """``2 * num_kv_heads * (head_dim * itemsize(dtype) + scale bytes)``: a quantized ``dtype`` (int8, fp8)
+        adds the 4 bytes of a float32 scale per token and KV head."""
+        scale_bytes = KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+        return 2 * self.num_kv_heads * (self.head_dim * dtype.itemsize + scale_bytes)
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec:
+    """The KV cache of one layer of multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", section 2.1):
+    per token only the latent, ``kv_lora_rank + qk_rope_head_dim`` values in the model dtype
+    (``[num_blocks, block_size, latent_dim]``; vLLM's ``MLAAttentionSpec``). Not quantized.
+
+    Raises:
+        ValueError: ``kv_lora_rank`` or ``qk_rope_head_dim`` not positive.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    def __post_init__(self) -> None:
+        _check_positive(kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def check_dtype(dtype: torch.dtype) -> None:
+        """Refuse a quantized storage ``dtype``.
+
+        Raises:
+            ValueError: ``dtype`` is int8 or fp8 (``kv_cache_dtype``), which MLA caches do not support yet.
+        """
+        if is_quantized(dtype):
+            raise ValueError(f"kv_cache_dtype {str(dtype).removeprefix('torch.')!r} is not supported with "
+                             f"multi-head latent attention (DeepSeek-V2/V3) yet; use kv_cache_dtype 'auto'")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """``latent_dim * itemsize(dtype)``.
+
+        Raises:
+            ValueError: as :meth:`check_dtype`.
+        """
+        self.check_dtype(dtype)
+        return self.latent_dim * dtype.itemsize
+
+
+KVSpec = FullAttentionSpec | MLAAttentionSpec
+"""What one layer's KV cache holds, as a model declares it (its ``kv_spec``)."""
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype) -> int:
-    """Bytes that one KV block takes over all layers (keys and values, with their scales).
+    """Bytes that one KV block takes over all layers of full attention (keys and values, with their scales).
 
-    Returns ``2 * num_layers * block_size * num_kv_heads * (head_dim * itemsize(dtype) + scale bytes)``, where
-    a quantized ``dtype`` (int8, fp8) adds the 4 bytes of a float32 scale per token and KV head.
+    Returns ``num_layers * block_size * FullAttentionSpec(num_kv_heads, head_dim).bytes_per_token(dtype)``,
+    i.e. ``2 * num_layers * block_size * num_kv_heads * (head_dim * itemsize(dtype) + scale bytes)``.
     """
-    scale_bytes = KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
-    return 2 * num_layers * block_size * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
+    return num_layers * block_size * FullAttentionSpec(num_kv_heads, head_dim).bytes_per_token(dtype)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -108,11 +189,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     Raises:
         ValueError: if any size is not positive.
     """
-    sizes = {"num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
-             "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    _check_positive(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim)
     shape = (layout or kv_cache_shape)(num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -125,6 +203,35 @@ def allocate_kv_scales(num_layers: int, num_blocks: int, block_size: int, num_kv
         return None
     shape = (2, num_blocks, block_size, num_kv_heads)
     return [torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) for _ in range(num_layers)]
+
+
+def allocate_kv_cache(spec: KVSpec, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str,
+                      layout: Callable[[int, int, int, int], tuple[int, ...]] | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The zero-filled KV cache of ``num_layers`` layers of ``spec`` in storage ``dtype`` on ``device``, and its
+    scales (``None`` unless quantized): :func:`allocate_kv_caches` and :func:`allocate_kv_scales` for full
+    attention (``layout``: the attention backend's ``kv_cache_shape``), ``[num_blocks, block_size, latent_dim]``
+    per layer for MLA (which attends in torch whatever the backend, so ``layout`` does not apply).
+
+    Raises:
+        ValueError: a size not positive, or a quantized ``dtype`` for MLA (naming ``kv_cache_dtype``).
+    """
+    if isinstance(spec, FullAttentionSpec):
+        sizes = (num_layers, num_blocks, block_size, spec.num_kv_heads)
+        return (allocate_kv_caches(*sizes, spec.head_dim, dtype, device, layout),
+                allocate_kv_scales(*sizes, dtype, device))
+    spec.check_dtype(dtype)
+    _check_positive(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size)
+    shape = (num_blocks, block_size, spec.latent_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None
+
+
+def blocks_on_dim1(cache: torch.Tensor) -> torch.Tensor:
+    """A KV tensor viewed with its block index on dimension 1, as KV connectors address every one: a K/V cache
+    (``[2, num_blocks, ...]``) or its scales as they are, an MLA latent cache (3-D, ``[num_blocks, block_size,
+    latent_dim]``) as ``[1, num_blocks, block_size, latent_dim]``."""
+    return cache.unsqueeze(0) if cache.dim() == 3 else cache
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, device: torch.device | str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kilat.model_executor.attention.kv_cache import FullAttentionSpec
 from kilat.model_executor.forward_context import get_forward_context
 
 
@@ -20,22 +21,28 @@ class Attention(nn.Module):
         num_heads, num_kv_heads, head_dim: attention shape (``num_heads`` a multiple of ``num_kv_heads``).
         scale: softmax scale.
         sliding_window: optional attention window in tokens (Mistral-style), ``None`` for full attention.
+        logits_soft_cap: optional attention logit soft-capping ``c``: scores become ``c * tanh(scores / c)``
+            before the softmax (Gemma 2's ``attn_logit_softcapping``), ``None`` for none.
 
     Raises:
-        ValueError: if ``num_heads`` is not a positive multiple of ``num_kv_heads``.
+        ValueError: if ``num_heads`` is not a positive multiple of ``num_kv_heads``, or ``logits_soft_cap`` is not
+            positive.
     """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attend.
@@ -52,9 +59,27 @@ class Attention(nn.Module):
         backend = ctx.attn_backend
         backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping, kv_scales)
         out = backend.forward(query, key, value, kv_cache, ctx.backend_metadata, self.scale, self.sliding_window,
-                              kv_scales)
+                              kv_scales, self.logits_soft_cap)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+
+    @property
+    def kv_spec(self) -> FullAttentionSpec:
+        """This layer's KV cache: keys and values of ``num_kv_heads`` heads of ``head_dim``."""
+        return FullAttentionSpec(self.num_kv_heads, self.head_dim)
 
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}")
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}"
+                + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap is not None else ""))
+
+
+def attention_windows(model: nn.Module, num_caches: int) -> list[int | None]:
+    """The sliding window of each of ``model``'s ``num_caches`` KV caches (by :attr:`Attention.layer_idx`), ``None``
+    for full attention: a cache no :class:`Attention` layer names, or one that a layer of full attention reads,
+    counts as full; one read by layers of different windows gets the largest."""
+    found: dict[int, list[int | None]] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            found.setdefault(module.layer_idx, []).append(module.sliding_window)
+    return [None if not (ws := found.get(i)) or None in ws else max(w for w in ws if w is not None)
+            for i in range(num_caches)]

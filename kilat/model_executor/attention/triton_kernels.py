@@ -82,10 +82,24 @@ def _quantize(x, QMAX: tl.constexpr, INT8: tl.constexpr, MANTISSA: tl.constexpr,
 
 
 @triton.jit
-def _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _tanh(x):
+    """``tanh(x)`` from one exponential, ``sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))`` (no overflow; absolute
+    error about 1e-7): Triton's interpreter has no ``libdevice.tanh``, and one formula keeps GPU and CPU alike."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    SOFT_CAP: tl.constexpr):
     """One FlashAttention step: fold the ``allowed`` scores of ``q`` against this key tile into the running
-    max ``m_i``, sum ``l_i`` and unnormalized output ``acc`` (rows with nothing allowed yet stay empty)."""
-    scores = tl.where(allowed, _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale, float("-inf"))
+    max ``m_i``, sum ``l_i`` and unnormalized output ``acc`` (rows with nothing allowed yet stay empty). With
+    ``SOFT_CAP`` ``c > 0`` the scores are soft-capped first, ``c * tanh(s / c)``."""
+    scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+    if SOFT_CAP > 0:
+        scores = SOFT_CAP * _tanh(scores / SOFT_CAP)
+    scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - m_safe[:, None])
@@ -131,11 +145,12 @@ def decode_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, pa
                   stride_pl_h, window,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Grid ``(num_seqs, num_kv_heads, num_splits)``: the ``GROUP`` query heads of one KV head of one
     sequence (one new token) over context partition ``split``; writes the normalized partial output and its
     log-sum-exp (``-inf`` for a partition wholly before a sliding window). Partitions past the context, and
     all of a padding row's (``seq_len == 0``), write nothing. ``QUANT``: the cache is int8/fp8 with scales.
+    ``SOFT_CAP`` > 0: scores soft-capped (see :func:`_online_softmax`).
 
     The token at position ``p`` sees keys ``p - window < j <= p`` (``window`` = ``NO_WINDOW`` for all of them).
     """
@@ -166,7 +181,8 @@ def decode_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, pa
         k, v = _load_tile(cache_ptr, scale_ptr, block_table_ptr + seq * stride_bt, offs, valid, kv_head, d, d_mask,
                           values_offset, stride_block, stride_tok, scale_values_offset, stride_scale_block,
                           stride_scale_tok, HEAD_DIM, PAGE, QUANT, q_ptr.dtype.element_ty)
-        m_i, l_i, acc = _online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        m_i, l_i, acc = _online_softmax(q, k, v, valid[None, :], scale, m_i, l_i, acc, DOT_PRECISION, UPCAST,
+                                        SOFT_CAP)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -206,12 +222,13 @@ def extend_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, qu
                   stride_tok, scale_values_offset, stride_scale_block, stride_scale_tok, stride_ot, stride_oh, window,
                   GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Grid ``(num_tiles, num_kv_heads)``: tile ``i`` holds new tokens ``tile_start[i] ..`` (at most
     ``TILE_TOKENS``) of request ``tile_req[i]``; row ``m`` is token ``m // GROUP``, query head
     ``kv_head * GROUP + m % GROUP``. Causal over the paged context: the token at position ``p`` (its request's
     context length + its index among the new tokens) sees keys ``p - window < j <= p`` (``window`` =
-    ``NO_WINDOW`` for all of them). The new keys must already be in the cache.
+    ``NO_WINDOW`` for all of them). The new keys must already be in the cache. ``SOFT_CAP`` > 0: scores
+    soft-capped (see :func:`_online_softmax`).
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,7 +263,7 @@ def extend_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, qu
                           values_offset, stride_block, stride_tok, scale_values_offset, stride_scale_block,
                           stride_scale_tok, HEAD_DIM, PAGE, QUANT, q_ptr.dtype.element_ty)
         allowed = valid[None, :] & (offs[None, :] <= pos[:, None]) & (offs[None, :] > pos[:, None] - window)
-        m_i, l_i, acc = _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION, UPCAST)
+        m_i, l_i, acc = _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION, UPCAST, SOFT_CAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -1,10 +1,10 @@
 """Model building blocks: linear layers whole or tensor-parallel (with their quantization methods), rotary
 embedding, RMSNorm, SiLU-and-mul, the vocabulary-parallel embedding and LM head, the fused CPU decode layer."""
 
-from kilat.model_executor.layers.activation import silu_and_mul
+from kilat.model_executor.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from kilat.model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kilat.model_executor.layers.fused_decoder import DecodeBatch, FusedDecoderLayer, decode_batch
-from kilat.model_executor.layers.layernorm import RMSNorm
+from kilat.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kilat.model_executor.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
 from kilat.model_executor.layers.quantization import QuantizationConfig, can_pack
 from kilat.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rope_parameters
@@ -14,6 +14,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DecodeBatch",
     "FusedDecoderLayer",
+    "GemmaRMSNorm",
     "Linear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -25,6 +26,7 @@ __all__ = [
     "apply_rotary",
     "can_pack",
     "decode_batch",
+    "gelu_tanh_and_mul",
     "process_weights_after_loading",
     "rope_inv_freq",
     "rope_parameters",

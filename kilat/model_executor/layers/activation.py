@@ -24,3 +24,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU gate (Shazeer, 2020) with the tanh approximation of GELU, as Gemma's MLP (HF ``hidden_activation``
+    ``"gelu_pytorch_tanh"``): ``gelu_tanh(x[..., :d]) * x[..., d:]`` for ``x [..., 2d] -> [..., d]`` (the output of a
+    fused ``gate_up_proj``, gate rows first). Plain torch."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,4 @@
-"""RMSNorm (Zhang & Sennrich, 2019) with an optional fused residual add."""
+"""RMSNorm (Zhang & Sennrich, 2019) with an optional fused residual add, and Gemma's variant."""
 
 from __future__ import annotations
 
@@ -64,6 +64,41 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return F.layer_norm(torch.cat((x, x.neg()), dim=-1), self.doubled_weight.shape, self.doubled_weight,
                             None, self.eps)[..., :self.hidden_size]
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in float32 and rounded once to the input
+    dtype (HF ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``: checkpoints store the weight as an offset from 1, and the
+    product is not rounded before the weight as Llama's is). Plain torch (no fused kernel).
+
+    Args:
+        hidden_size: size of the normalized (last) dimension.
+        eps: added to the mean square.
+        dtype: weight dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.hidden_size = hidden_size
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize ``x [..., hidden_size]``; with ``residual``, first ``x = x + residual`` (in ``x``'s dtype)
+        and return ``(norm(x), x)``, as :meth:`RMSNorm.forward`."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

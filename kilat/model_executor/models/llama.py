@@ -1,5 +1,7 @@
 """The Llama-family decoder: Llama (2/3/3.x, SmolLM2), Mistral, Qwen2, Qwen3 and IBM Granite 3.x (dense); Phi-3
-subclasses it (``phi3.py``).
+subclasses it (``phi3.py``), and so do Gemma 2 and 3 (``gemma.py``: their own decoder layer, final norm and
+embedding scale through the class hooks, their sliding layers' second RoPE table in :class:`LlamaModel`), and
+DeepSeek-V2/V3 (``deepseek_v2.py``: their multi-head latent attention block through ``make_attention``).
 
 One implementation (Touvron et al., 2023): pre-norm decoder layers of grouped-query attention with rotary
 embeddings and a SwiGLU MLP. Variants differ only in switches read from the HF config or set by the
@@ -43,6 +45,7 @@ from kilat.model_executor.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
+from kilat.model_executor.layers.rotary import rope_per_layer_type
 from kilat.model_executor.models.weight_loading import LLAMA_PACKED_MODULES, PackedModules, load_weights
 
 QK_NORMS = (None, "head", "whole")
@@ -165,8 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, cache_idx, family.qkv_bias, family.qk_norm, dtype,
-                                        quant_config, f"{prefix}.self_attn")
+        self.self_attn = family.make_attention(config, layer_idx, cache_idx, dtype, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = family.make_mlp(config, layer_idx, dtype, quant_config, f"{prefix}.mlp")
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
@@ -174,10 +176,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Bind the fused decode kernel where it applies (runs after the submodules processed their weights; not
-        with a ``residual_multiplier``, which it does not apply, nor with a Mixture-of-Experts MLP or q/k norms over
-        whole projections)."""
+        with a ``residual_multiplier``, which it does not apply, nor with a Mixture-of-Experts MLP, q/k norms over
+        whole projections or another family's attention block)."""
         attn, mlp = self.self_attn, self.mlp
-        if self.residual_multiplier != 1.0 or not isinstance(mlp, LlamaMLP) or attn.qk_norm == "whole":
+        if self.residual_multiplier != 1.0 or not isinstance(mlp, LlamaMLP) or not isinstance(attn, LlamaAttention) \
+                or attn.qk_norm == "whole":
             return
         per_head = attn.qk_norm == "head"
         self.fused = FusedDecoderLayer.build(
@@ -207,6 +210,9 @@ class LlamaModel(nn.Module):
             ``layers[i]`` outside them is an empty ``nn.Module``.
         embed_tokens: the embedding table, or ``None`` on a stage that neither embeds nor ties ``lm_head`` to it.
         norm: the final norm, or ``None`` before the last stage.
+        local_rotary_emb: the RoPE table of sliding-window layers when the config gives them their own (Gemma 3's
+            ``rope_parameters["sliding_attention"]`` or ``rope_local_base_freq``), else ``None``.
+        local_rope_layers: the indices of the layers that use ``local_rotary_emb``.
     """
 
     def __init__(self, config: PretrainedConfig, family: type[LlamaForCausalLM], dtype: torch.dtype | None,
@@ -218,13 +224,21 @@ class LlamaModel(nn.Module):
             if pp.is_first or (pp.is_last and tied) else None
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank, pp.world_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, i - self.start_layer, family, dtype, quant_config)
+            family.decoder_layer_class(config, i, i - self.start_layer, family, dtype, quant_config)
             if self.start_layer <= i < self.end_layer else nn.Module() for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
-        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.norm = family.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
+        self.embedding_multiplier = family.embedding_scale(config, dtype)
         inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, inv_freq,
                                           attention_scaling, dtype)
+        # Gemma 3: its sliding-window layers rotate with their own base frequency (a second table)
+        self.local_rotary_emb = RotaryEmbedding(
+            _head_dim(config), config.max_position_embeddings,
+            *rope_inv_freq(config, _head_dim(config), "sliding_attention"), dtype) \
+            if rope_per_layer_type(config) else None
+        self.local_rope_layers = frozenset(i for i in range(config.num_hidden_layers)
+                                           if _sliding_window(config, i) is not None) \
+            if self.local_rotary_emb is not None else frozenset()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,12 +260,14 @@ class LlamaModel(nn.Module):
                 x = x * self.embedding_multiplier
         else:
             x, residual = intermediate[0], intermediate[1]
-        cos, sin = self.rotary_emb(positions)
+        rope = self.rotary_emb(positions)
+        local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions)
         layers = self.layers[self.start_layer:self.end_layer]
         batch: DecodeBatch | None = None
         if any(layer.fused is not None for layer in layers):
             batch = decode_batch(x)
-        for layer in layers:  # a fused layer and its Python forward give the same (x, residual)
+        for i, layer in enumerate(layers, self.start_layer):  # a fused layer and its Python forward agree
+            cos, sin = local_rope if i in self.local_rope_layers else rope
             if batch is not None and layer.fused is not None:
                 x, residual = layer.fused(x, residual, cos, sin, batch)
             else:
@@ -275,8 +291,12 @@ class LlamaForCausalLM(nn.Module):
         quant_config: how the linear layers hold their weights (``None``: dense in ``dtype``).
 
     Attributes:
-        num_layers, num_kv_heads, head_dim: the KV cache shape this model needs per layer (``num_layers``: this
-            pipeline stage's; ``num_kv_heads``: this tensor-parallel rank's).
+        num_layers: the KV caches this model needs (this pipeline stage's layers).
+        kv_spec: what each layer's KV cache holds, as its attention layers declare it
+            (:class:`~kilat.model_executor.attention.kv_cache.FullAttentionSpec`, or ``MLAAttentionSpec`` for
+            DeepSeek's latent attention); the model runner sizes and allocates the cache from it.
+        num_kv_heads, head_dim: a full-attention cache's shape per layer (``num_kv_heads``: this tensor-parallel
+            rank's); ``None`` for an MLA cache.
         lm_head: the output projection, or ``None`` before the last pipeline stage.
     """
 
@@ -284,6 +304,22 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_renames: ClassVar[dict[str, str]] = {}  # checkpoint name part -> kilat's (Mixtral's MLP name)
     qkv_bias: ClassVar[bool] = False  # q/k/v biases regardless of ``config.attention_bias``
     qk_norm: ClassVar[str | None] = None  # RMSNorm of q/k before rotary: per "head" (Qwen3) or "whole" (OLMoE)
+    decoder_layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer  # built (config, layer_idx, cache_idx,
+    # family, dtype, quant_config); its forward as LlamaDecoderLayer's, with a ``fused`` attribute (Gemma's own)
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm  # the final norm (Gemma's RMSNorm)
+
+    @classmethod
+    def embedding_scale(cls, config: PretrainedConfig, dtype: torch.dtype | None) -> float:
+        """What the embeddings are multiplied by: Granite's ``embedding_multiplier``, else 1."""
+        return float(getattr(config, "embedding_multiplier", 1.0))
+
+    @classmethod
+    def make_attention(cls, config: PretrainedConfig, layer_idx: int, cache_idx: int, dtype: torch.dtype | None,
+                       quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """Decoder layer ``layer_idx``'s self-attention block, ``forward(x [T, hidden], cos, sin) -> [T, hidden]``,
+        whose paged attention layer ``attn`` (reading KV cache ``cache_idx``) declares its ``kv_spec``:
+        :class:`LlamaAttention` here; DeepSeek returns its multi-head latent attention."""
+        return LlamaAttention(config, layer_idx, cache_idx, cls.qkv_bias, cls.qk_norm, dtype, quant_config, prefix)
 
     @classmethod
     def make_mlp(cls, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype | None,
@@ -303,8 +339,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_layers = self.model.end_layer - self.model.start_layer
-        self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
-        self.head_dim = _head_dim(config)
+        self.kv_spec = self.model.layers[self.model.start_layer].self_attn.attn.kv_spec
+        self.num_kv_heads = getattr(self.kv_spec, "num_kv_heads", None)
+        self.head_dim = getattr(self.kv_spec, "head_dim", None)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

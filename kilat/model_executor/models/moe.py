@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -35,6 +37,9 @@ class SparseMoeBlock(nn.Module):
         num_experts, top_k, intermediate_size, renormalize, expert_names: as :class:`FusedMoE`.
         shared_intermediate_size: a shared expert (a SwiGLU MLP every token goes through) of this size, or 0.
         shared_expert_gate: scale the shared expert by ``sigmoid(Linear(hidden, 1)(x))`` (Qwen2-MoE).
+        router_bias: the router has a bias (GPT-OSS).
+        routing: :class:`FusedMoE`'s keywords (``scoring_func``, ``num_expert_group``, ``topk_group``,
+            ``routed_scaling_factor``, ``e_score_correction_bias``: DeepSeek; ``activation``, ``has_bias``: GPT-OSS).
 
     Shapes: ``[T, hidden] -> [T, hidden]``.
     """
@@ -42,11 +47,11 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
                  prefix: str, *, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  expert_names: ExpertNames = DEFAULT_EXPERT_NAMES, shared_intermediate_size: int = 0,
-                 shared_expert_gate: bool = False) -> None:
+                 shared_expert_gate: bool = False, router_bias: bool = False, **routing: Any) -> None:
         super().__init__()
-        self.gate = Linear(config.hidden_size, num_experts, False, dtype, None, f"{prefix}.gate")
+        self.gate = Linear(config.hidden_size, num_experts, router_bias, dtype, None, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, intermediate_size, renormalize, dtype,
-                                quant_config, f"{prefix}.experts", expert_names)
+                                quant_config, f"{prefix}.experts", expert_names, **routing)
         self.shared_expert = LlamaMLP(config, dtype, quant_config, f"{prefix}.shared_expert",
                                       shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, False, dtype, None, f"{prefix}.shared_expert_gate") \

@@ -66,9 +66,10 @@ def resolve_quantization(quantization: str | None, options: dict[str, Any] | Non
     Rules (vLLM's, where it has them): a checkpoint whose config.json has a ``quantization_config`` runs its
     ``quant_method`` (``quantization`` may name it or be ``None``); a GGUF file runs its own quantized blocks
     (``"gguf"``) by default on the CPU, where kilat has fast kernels for them, and dequantized in ``dtype`` on
-    CUDA or in float32 (the exact reference that matches HF transformers); an online method (``int8``,
-    ``int4``, ``fp8``) quantizes any 16/32-bit checkpoint at load. ``options`` (the ``quantization_config``
-    engine argument) override the checkpoint's settings.
+    CUDA, in float32 (the exact reference that matches HF transformers) or when it has Mixture-of-Experts layers
+    (which ``"gguf"`` does not run yet); an online method (``int8``, ``int4``, ``fp8``) quantizes any 16/32-bit
+    checkpoint at load. ``options`` (the ``quantization_config`` engine argument) override the checkpoint's
+    settings.
 
     Args:
         quantization: the engine argument (``None``: whatever the checkpoint says).
@@ -89,7 +90,10 @@ def resolve_quantization(quantization: str | None, options: dict[str, Any] | Non
                              f"with {method!r} (config.json quantization_config.quant_method)")
         quantization = method
     if quantization is None and source_kind == "gguf" and device == "cpu" and dtype != torch.float32:
-        quantization = "gguf"
+        from kilat.model_executor.loader.gguf_moe import gguf_has_experts  # the loader imports the layers
+        from kilat.model_executor.loader.metadata import gguf_header
+
+        quantization = None if gguf_has_experts(gguf_header(path)[0]) else "gguf"
     if quantization is None:
         return None
     cls = get_quantization_config_class(quantization)
