@@ -23,6 +23,19 @@ def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
             and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
 
 
+def qwen_moe_mlp(config: PretrainedConfig, layer_idx: int, dtype: torch.dtype | None,
+                 quant_config: QuantizationConfig | None, prefix: str, **shared: Any) -> nn.Module:
+    """Decoder layer ``layer_idx``'s feed-forward block in the Qwen-MoE families: on sparse layers
+    (:func:`is_sparse_layer`) a :class:`SparseMoeBlock` of ``num_experts`` experts of ``moe_intermediate_size``,
+    ``num_experts_per_tok`` per token, renormalized with ``norm_topk_prob`` (``shared``: Qwen2-MoE's shared-expert
+    keywords), else a dense :class:`LlamaMLP`."""
+    if not is_sparse_layer(config, layer_idx):
+        return LlamaMLP(config, dtype, quant_config, prefix)
+    return SparseMoeBlock(config, dtype, quant_config, prefix, num_experts=config.num_experts,
+                          top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
+                          renormalize=config.norm_topk_prob, **shared)
+
+
 class SparseMoeBlock(nn.Module):
     """``experts(x, gate(x)) [+ shared_expert(x) * sigmoid(shared_expert_gate(x))]``.
 

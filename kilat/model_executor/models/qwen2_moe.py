@@ -9,8 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from kilat.model_executor.layers import QuantizationConfig
-from kilat.model_executor.models.llama import LlamaMLP, Qwen2ForCausalLM
-from kilat.model_executor.models.moe import SparseMoeBlock, is_sparse_layer
+from kilat.model_executor.models.llama import Qwen2ForCausalLM
+from kilat.model_executor.models.moe import qwen_moe_mlp
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -20,11 +20,6 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     @classmethod
     def make_mlp(cls, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype | None,
                  quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        """The sparse block on sparse layers (:func:`is_sparse_layer`), else a dense MLP."""
-        if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config, dtype, quant_config, prefix)
-        return SparseMoeBlock(config, dtype, quant_config, prefix, num_experts=config.num_experts,
-                              top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
-                              renormalize=config.norm_topk_prob,
-                              shared_intermediate_size=config.shared_expert_intermediate_size,
-                              shared_expert_gate=True)
+        """The sparse block with its gated shared expert on sparse layers, else a dense MLP (:func:`qwen_moe_mlp`)."""
+        return qwen_moe_mlp(config, layer_idx, dtype, quant_config, prefix,
+                            shared_intermediate_size=config.shared_expert_intermediate_size, shared_expert_gate=True)
