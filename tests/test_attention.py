@@ -8,9 +8,9 @@ import torch
 from kilat.model_executor.attention import (
     Attention,
     AttentionMetadata,
+    FullAttentionSpec,
     StepPlans,
     allocate_kv_caches,
-    kv_cache_bytes_per_block,
     paged_attention,
     write_kv,
 )
@@ -133,6 +133,6 @@ def test_kv_cache_allocation_and_size() -> None:
     assert len(caches) == 3
     assert all(c.shape == (2, 5, 16, 2, 8) and c.dtype == torch.bfloat16 for c in caches)
     assert all(c.abs().sum() == 0 for c in caches)
-    assert kv_cache_bytes_per_block(3, 16, 2, 8, torch.bfloat16) == 2 * 3 * 16 * 2 * 8 * 2
+    assert 3 * 16 * FullAttentionSpec(2, 8).bytes_per_token(torch.bfloat16) == 2 * 3 * 16 * 2 * 8 * 2
     with pytest.raises(ValueError, match="num_blocks"):
         allocate_kv_caches(1, 0, 16, 2, 8, torch.float32, "cpu")

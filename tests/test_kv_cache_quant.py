@@ -14,9 +14,9 @@ from kilat.model_executor.attention import AttentionMetadata, allocate_kv_caches
 from kilat.model_executor.attention.backends import AttentionBackend, get_attention_backend
 from kilat.model_executor.attention.kv_cache import (
     MIN_SCALE,
+    FullAttentionSpec,
     check_kv_cache_dtype,
     dequantize_kv,
-    kv_cache_bytes_per_block,
     kv_cache_storage_dtype,
     quant_max,
     quantize_kv,
@@ -153,8 +153,8 @@ def test_bfloat16_model_over_int8_cache(backend: AttentionBackend) -> None:
 def test_bytes_per_block_count_the_quantized_elements_and_scales() -> None:
     # 2 (K, V) x 3 layers x 16 tokens x 2 KV heads x (64 one-byte values + a 4-byte scale)
     for dtype in CACHE_DTYPES.values():
-        assert kv_cache_bytes_per_block(3, 16, 2, 64, dtype) == 2 * 3 * 16 * 2 * (64 + 4)
-    assert kv_cache_bytes_per_block(3, 16, 2, 64, torch.bfloat16) == 2 * 3 * 16 * 2 * 64 * 2
+        assert 3 * 16 * FullAttentionSpec(2, 64).bytes_per_token(dtype) == 2 * 3 * 16 * 2 * (64 + 4)
+    assert 3 * 16 * FullAttentionSpec(2, 64).bytes_per_token(torch.bfloat16) == 2 * 3 * 16 * 2 * 64 * 2
     assert allocate_kv_scales(2, 5, 16, 3, torch.bfloat16, "cpu") is None
     scales = allocate_kv_scales(2, 5, 16, 3, torch.int8, "cpu")
     assert len(scales) == 2 and all(s.shape == (2, 5, 16, 3) and s.dtype == torch.float32 for s in scales)

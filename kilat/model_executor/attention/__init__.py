@@ -10,7 +10,6 @@ from kilat.model_executor.attention.kv_cache import (
     allocate_kv_caches,
     allocate_kv_scales,
     blocks_on_dim1,
-    kv_cache_bytes_per_block,
     kv_cache_storage_dtype,
 )
 from kilat.model_executor.attention.layer import Attention
@@ -31,7 +30,6 @@ __all__ = [
     "allocate_kv_caches",
     "allocate_kv_scales",
     "blocks_on_dim1",
-    "kv_cache_bytes_per_block",
     "kv_cache_storage_dtype",
     "paged_attention",
     "write_kv",

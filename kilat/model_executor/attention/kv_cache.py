@@ -161,16 +161,6 @@ def _check_positive(**sizes: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
-    """Bytes that one KV block takes over all layers of full attention (keys and values, with their scales).
-
-    Returns ``num_layers * block_size * FullAttentionSpec(num_kv_heads, head_dim).bytes_per_token(dtype)``,
-    i.e. ``2 * num_layers * block_size * num_kv_heads * (head_dim * itemsize(dtype) + scale bytes)``.
-    """
-    return num_layers * block_size * FullAttentionSpec(num_kv_heads, head_dim).bytes_per_token(dtype)
-
-
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """The layout above: ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (every backend's default)."""
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
