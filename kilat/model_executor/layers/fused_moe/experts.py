@@ -86,8 +86,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     The ``T * top_k`` token-expert pairs are sorted by expert (stable, so each expert's pairs keep token order);
     the gate/up projection and the down projection each run as one grouped GEMM over the experts' contiguous row
-    ranges; the weighted rows are added back to their tokens in expert order (HF's summation order). On CUDA with
-    Triton installed the Triton grouped GEMM (:mod:`.triton_moe`) runs instead.
+    ranges; the weighted rows are added back to their tokens in expert order (HF's summation order). Where torch's
+    ``grouped_mm`` does not run for this device and dtype (or the expert sizes are not 16-byte aligned), the
+    Triton grouped GEMM (:mod:`.triton_moe`) runs on CUDA and the per-expert loop elsewhere: on an H200
+    ``grouped_mm`` was 1.5-2.3x faster than the Triton kernel at 1-512 tokens (docs/benchmarks.md, "First GPU run").
 
     Args:
         x: ``[T, H]`` hidden states.
@@ -103,9 +105,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    if x.is_cuda and _triton_moe() is not None:
-        return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
-    if not _grouped_mm_runs(x.device.type, x.dtype) or any(size * x.element_size() % 16 for size in w2.shape[1:]):
+    aligned = not any(size * x.element_size() % 16 for size in w2.shape[1:])
+    if not aligned or not _grouped_mm_runs(x.device.type, x.dtype):
+        if x.is_cuda and _triton_moe() is not None:
+            return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
         return looped_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
@@ -132,7 +135,8 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         F.grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device_type))
         return True
     except (AttributeError, RuntimeError, NotImplementedError) as e:
-        logger.warning("torch grouped_mm unavailable for %s %s (%s); MoE experts run one at a time",
+        logger.warning("torch grouped_mm unavailable for %s %s (%s); MoE experts run in the Triton kernel on CUDA, "
+                       "else one at a time",
                        device_type, dtype, e)
         return False
 
