@@ -7,8 +7,8 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   (RMSNorm + residual, SiLU-and-mul, rotary) against the torch reference on real shapes (Llama-3-8B: 32 query
   / 8 KV heads of 128; SmolLM2-135M: 9 / 3 of 64) in bfloat16 and float32: decode batches with contexts
   around block and split boundaries up to 4,100 tokens, prefills, chunked prefill over a cached prefix,
-  mixed batches, a sliding window. Then microbenchmarks before (torch) and after (Triton), and the memory
-  bandwidth of a device copy.
+  mixed batches, a sliding window, logit soft-capping (cap 2) and attention sinks (with and without a window).
+  Then microbenchmarks before (torch) and after (Triton), and the memory bandwidth of a device copy.
 - ``moe``: the Triton grouped-GEMM MoE experts (``fused_moe/triton_moe.py``) against the per-expert loop
   (``looped_experts``) in bfloat16 and float32 (max |error|) on a 64-expert top-8 layer (hidden 1024,
   intermediate 512), then bfloat16 times of Triton, the loop and torch ``grouped_mm`` for 1, 16 and 512 tokens
@@ -137,7 +137,8 @@ def model_name(args: argparse.Namespace, name: str) -> str:
 # ------------------------------------------------------------------------------------------------ kernels
 
 def attention_case(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype,
-                   window: int | None = None, block_size: int = 16, seed: int = 0) -> float:
+                   window: int | None = None, block_size: int = 16, seed: int = 0, soft_cap: float | None = None,
+                   sinks: bool = False) -> float:
     """Max |triton - torch| of one step's attention output over a random paged cache (shuffled blocks)."""
     from kilat.model_executor.attention import AttentionMetadata
     from kilat.model_executor.attention.backends import get_attention_backend
@@ -156,12 +157,14 @@ def attention_case(query_lens: list[int], seq_lens: list[int], heads: tuple[int,
     total = sum(query_lens)
     q = torch.randn(total, num_heads, head_dim, generator=g).to(dtype).to(dev)
     k, v = (torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype).to(dev) for _ in range(2))
+    sink_logits = torch.linspace(-2.0, 4.0, num_heads, device=dev) if sinks else None  # GPT-OSS's attention sinks
     outs = []
     for name in ("torch", "triton"):
         backend = get_attention_backend(name)
         c = cache.clone()
         backend.write_kv(c, k, v, md.slot_mapping)
-        outs.append(backend.forward(q, k, v, c, backend.build_metadata(md), head_dim ** -0.5, window).float())
+        outs.append(backend.forward(q, k, v, c, backend.build_metadata(md), head_dim ** -0.5, window,
+                                    logits_soft_cap=soft_cap, sinks=sink_logits).float())
     return float((outs[0] - outs[1]).abs().max())
 
 
@@ -179,6 +182,7 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
         cases = {"decode": ([1] * 4, [1, 16, 17, 513]), "prefill": ([17, 70], [17, 70]),
                  "chunked_prefix": ([5, 20], [21, 100]), "mixed": ([1, 9, 1], [40, 9, 17]),
                  "window": ([1, 9], [40, 30])}
+        cases |= {"soft_cap": cases["mixed"], "sinks_window": cases["window"]}
     else:
         decode_lens = [1, 15, 16, 17, 100, 511, 512, 513, 1000, 1024, 2047, 2048, 3000, 4000, 4099, 4100]
         cases = {"decode": ([1] * len(decode_lens), decode_lens),
@@ -186,13 +190,17 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
                  "chunked_prefix": ([40, 128, 5, 512], [1064, 528, 21, 4096]),
                  "mixed": ([1, 37, 1, 1, 200, 1], [900, 37, 17, 3000, 700, 4100]),
                  "window": ([1, 1, 300], [5000, 100, 4600])}
+        cases |= {"soft_cap": cases["mixed"], "sinks": cases["mixed"], "sinks_window": cases["window"]}
     tolerance = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
     correctness = []
     for shape_name, heads in shapes.items():
         for dtype in (torch.bfloat16, torch.float32):
             for case_name, (query_lens, seq_lens) in cases.items():
-                window = 4096 if case_name == "window" and not args.smoke else 8 if case_name == "window" else None
-                err = attention_case(query_lens, seq_lens, heads, dtype, window)
+                windowed = case_name.endswith("window")
+                window = 4096 if windowed and not args.smoke else 8 if windowed else None
+                err = attention_case(query_lens, seq_lens, heads, dtype, window,
+                                     soft_cap=2.0 if case_name == "soft_cap" else None,
+                                     sinks=case_name.startswith("sinks"))
                 correctness.append({"op": "attention", "shape": shape_name, "case": case_name,
                                     "dtype": str(dtype).removeprefix("torch."), "max_abs_err": err,
                                     "pass": err <= tolerance[dtype]})

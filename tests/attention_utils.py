@@ -23,9 +23,11 @@ def block_tables(seq_lens: list[int], block_size: int, generator: torch.Generato
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-                    window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+                    window: int | None, soft_cap: float | None = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Dense causal attention of q [Q, H, D] (positions context_len..) over k, v [S, KH, D] (positions 0..); with
-    ``soft_cap`` c the scores s become c * tanh(s / c) before the mask."""
+    ``soft_cap`` c the scores s become c * tanh(s / c) before the mask; with ``sinks [H]`` each head's sink logit
+    joins its softmax as one more column that carries no value (GPT-OSS's attention sinks)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -38,6 +40,10 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_l
     if window is not None:
         allowed &= kpos > qpos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        return torch.einsum("hqs,shd->qhd", torch.cat([scores, column], -1).softmax(-1)[..., :-1],
+                            v.double()).to(q.dtype)
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
 
 
@@ -62,11 +68,12 @@ def paged_contexts(seq_lens: list[int], query_lens: list[int], num_kv_heads: int
 def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
                        window: int | None = None, head_dim: int = 16, seed: int = 0, block_size: int = 4,
                        backend: AttentionBackend | None = None, dtype: torch.dtype = torch.float32,
-                       soft_cap: float | None = None, query_scale: float = 1.0) -> None:
+                       soft_cap: float | None = None, query_scale: float = 1.0, sinks: torch.Tensor | None = None
+                       ) -> None:
     """Fill the cache with each request's context, run one step with ``backend`` (default torch), compare each to
     :func:`naive_attention` on the same (``dtype``-rounded) inputs: to 1e-5 in float32, 2e-2 in bfloat16.
     ``soft_cap``: the layer's ``logits_soft_cap``; ``query_scale`` multiplies the random queries (large scores,
-    so that a cap bites)."""
+    so that a cap bites); ``sinks``: the layer's float32 ``[num_heads]`` attention sinks."""
     g = torch.Generator().manual_seed(seed)
     kv_cache, tables, full_k, full_v = paged_contexts(seq_lens, query_lens, num_kv_heads, head_dim, dtype, block_size,
                                                       g)
@@ -79,13 +86,13 @@ def run_attention_case(query_lens: list[int], seq_lens: list[int], num_heads: in
     backend = backend or get_attention_backend("torch")
     backend.write_kv(kv_cache, key, value, md.slot_mapping)
     out = backend.forward(query, key, value, kv_cache, backend.build_metadata(md), scale, window,
-                          logits_soft_cap=soft_cap)
+                          logits_soft_cap=soft_cap, sinks=sinks)
 
     assert out.shape == query.shape and out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     starts = md.query_start_loc.tolist()
     for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
         expected = naive_attention(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, scale, window,
-                                   soft_cap)
+                                   soft_cap, sinks)
         torch.testing.assert_close(out[starts[r]:starts[r + 1]].float(), expected.float(), atol=tolerance,
                                    rtol=tolerance)

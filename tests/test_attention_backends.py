@@ -103,3 +103,44 @@ def test_the_soft_cap_of_those_tests_changes_the_result() -> None:
     q, (k, v) = 8 * torch.randn(5, 4, 16, generator=g), torch.randn(2, 12, 2, 16, generator=g)
     capped, plain = naive_attention(q, k, v, 7, 0.25, None, 5.0), naive_attention(q, k, v, 7, 0.25, None)
     assert (capped - plain).abs().max() > 0.3
+
+
+SINK_CASES = {**SOFT_CAP_CASES, "long-decode": ([1], [1300])}
+"""The soft-capping steps, and a decode long enough that the cpu kernel splits its keys across threads (3 KV heads on
+2 threads) and the Triton decode across partitions of 512: the sink joins where the partial results merge."""
+
+
+def sinks_for(num_heads: int) -> torch.Tensor:
+    """Sink logits spread around the scores' range (standard deviation ~1 here), some above every score."""
+    return torch.linspace(-2.0, 4.0, num_heads)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("case", sorted(SINK_CASES))
+@pytest.mark.parametrize("backend", sorted(REGISTRY))
+def test_attention_sinks_match_dense_reference(backend: str, case: str, window: int | None) -> None:
+    """Every backend adds each head's sink logit to its softmax's denominator (no value) as the dense float64
+    reference does, with and without a sliding window and with soft-capping too (Triton under its interpreter)."""
+    query_lens, seq_lens = SINK_CASES[case]
+    for soft_cap in (None, 5.0):
+        run_attention_case(query_lens, seq_lens, 6, 3, window=window, block_size=4,
+                           backend=get_attention_backend(backend), soft_cap=soft_cap, sinks=sinks_for(6))
+
+
+@pytest.mark.parametrize("backend", sorted(REGISTRY))
+def test_attention_sinks_bfloat16(backend: str) -> None:
+    query_lens, seq_lens = SINK_CASES["chunks-and-decodes"]
+    run_attention_case(query_lens, seq_lens, 9, 3, head_dim=64, block_size=16, backend=get_attention_backend(backend),
+                       dtype=torch.bfloat16, sinks=sinks_for(9))
+
+
+def test_the_sinks_of_those_tests_change_the_result() -> None:
+    """The sinks above take a large share of the probability (the tests would not notice a backend ignoring them
+    otherwise), and a sink of -inf is no sink."""
+    g = torch.Generator().manual_seed(0)
+    q, (k, v) = torch.randn(5, 6, 16, generator=g), torch.randn(2, 12, 3, 16, generator=g)
+    with_sinks, plain = naive_attention(q, k, v, 7, 0.25, None, sinks=sinks_for(6)), naive_attention(q, k, v, 7, 0.25,
+                                                                                                  None)
+    assert (with_sinks - plain).abs().max() > 0.3
+    none = naive_attention(q, k, v, 7, 0.25, None, sinks=torch.full((6,), float("-inf")))
+    torch.testing.assert_close(none, plain)

@@ -16,13 +16,15 @@
 //
 // Op (namespace kilat_cpu_attn): paged_attention(query [T, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
 // kv_scales [2, blocks, block_size, KVH]?, block_table int32 [R, nb], seq_lens int32 [R], query_start_loc int32
-// [R + 1], scale, sliding_window, logits_soft_cap) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
+// [R + 1], scale, sliding_window, logits_soft_cap, sinks [H]?) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
 // kilat/model_executor/attention/metadata.py). query may be a strided view (last dimension contiguous); kv_cache
 // contiguous, of the query's dtype (float32, bfloat16 or float16), or int8 / fp8 (e4m3, e5m2) with float32
 // kv_scales (kilat/model_executor/attention/kv_cache.py). Request r's new tokens are query rows
 // query_start_loc[r] .. query_start_loc[r + 1] - 1, at the last positions of its seq_lens[r]; the token at position p
 // sees keys j with p - sliding_window < j <= p (sliding_window <= 0: all j <= p). With logits_soft_cap c > 0 each score
 // s (scale times q.k) becomes c tanh(s / c) before the mask and the softmax (Gemma 2's attention logit soft-capping).
+// With float32 sinks, head h's sink logit joins its softmax's denominator and carries no value (GPT-OSS's attention
+// sinks): out = sum_j e^(s_j) v_j / (e^(sinks[h]) + sum_j e^(s_j)), added once where the partial states are merged.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -290,6 +292,7 @@ struct Problem {
   float scale;
   int64_t window;
   float soft_cap = 0.f;  // attention logit soft-capping (> 0), or 0 for none
+  const float* sinks = nullptr;  // [heads] attention-sink logits, or none
   Storage storage = Storage::model;
   const float* kv_scales = nullptr;  // [2, blocks, block_size, kv_heads] for a quantized cache
   int64_t scale_values = 0;          // offset of the values' scales
@@ -611,7 +614,8 @@ void attend_extend(const Problem& p, const void* cache, const Span& sp, int64_t 
 }
 
 // Output rows of span sp from its `n_parts` states (consecutive, from `parts`), merged by log-sum-exp:
-// sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with M = max_s m_s. Zeros for a row no state saw a key for.
+// sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)) with M = max(sink, max_s m_s) (no sink term
+// without p.sinks). Zeros for a row no state saw a key for.
 template <typename T>
 void finish(const Problem& p, float* parts, int64_t n_parts, const Span& sp, T* out, float* row) {
   const float none = -std::numeric_limits<float>::infinity();
@@ -622,6 +626,15 @@ void finish(const Problem& p, float* parts, int64_t n_parts, const Span& sp, T* 
     std::fill(row, row + p.dim, 0.f);
     if (big != none) {
       float total = 0.f;
+      if (p.sinks != nullptr) {
+        const float sink = p.sinks[sp.h * p.group + i % p.group];
+        if (sink > big) {  // keep every exponent <= 0
+          big = sink;
+          total = 1.f;
+        } else {
+          total = std::exp(sink - big);
+        }
+      }
       for (int64_t s = 0; s < n_parts; ++s) {
         const State st(parts + s * size, rows);
         const float w = std::exp(st.m[i] - big);
@@ -719,7 +732,7 @@ void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T*
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window, double logits_soft_cap) {
+                           int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu() &&
                   seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
               "paged_attention runs on the CPU: every tensor must be a CPU tensor");
@@ -767,6 +780,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   p.window = sliding_window;
   TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be positive, or 0 for none");
   p.soft_cap = static_cast<float>(logits_soft_cap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == p.heads && sinks->device().is_cpu(),
+                "sinks must be a contiguous float32 CPU tensor [num_heads]");
+    p.sinks = sinks->data_ptr<float>();
+  }
   TORCH_CHECK(p.q_start[0] == 0 && p.q_start[p.reqs] == query.size(0),
               "query_start_loc must run from 0 to the number of query tokens");
   std::vector<int64_t> decodes, extends;
@@ -800,5 +819,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(kilat_cpu_attn, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor? kv_scales, Tensor block_table, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int sliding_window, float logits_soft_cap=0.) -> Tensor", paged_attention);
+        "Tensor query_start_loc, float scale, int sliding_window, float logits_soft_cap=0., Tensor? sinks=None) -> Tensor",
+        paged_attention);
 }

@@ -48,7 +48,7 @@ using Rotary = Tensor(const Tensor&, const Tensor&, const Tensor&);
 using SiluAndMul = Tensor(const Tensor&);
 using Gemm = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t, const OptTensor&);
 using PagedAttention = Tensor(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-                              const Tensor&, double, int64_t, double);
+                              const Tensor&, double, int64_t, double, const OptTensor&);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("kilat_cpu::rms_norm");
@@ -140,7 +140,7 @@ std::tuple<Tensor, Tensor> decoder_layer(const Tensor& x, const OptTensor& resid
   const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
   write_kv(k, v, kv_cache, slot_mapping);
   const Tensor attn = ops().paged_attention.call(q, kv_cache, std::nullopt, block_table, seq_lens, query_start_loc,
-                                                        scale, sliding_window, 0.0);
+                                                        scale, sliding_window, 0.0, std::nullopt);
   const Tensor o = project(attn.view({tokens, q_size}), 1, weights, quant, biases);
   Tensor h2;
   std::tie(h2, residual) = ops().add_rms_norm.call(o, residual, norms[1], eps);

@@ -91,7 +91,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any, scale: float, sliding_window: int | None = None,
-                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of every new token over its request's whole paged context, after :meth:`write_kv`.
 
         Heads follow grouped-query attention (Ainslie et al., 2023): query head ``h`` reads KV head
@@ -108,6 +109,10 @@ class AttentionBackend(ABC):
             kv_scales: the scales of an int8/fp8 cache, else ``None``.
             logits_soft_cap: if set (``c > 0``), each score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before
                 the mask and the softmax (attention logit soft-capping, Gemma 2; vLLM's ``logits_soft_cap``).
+            sinks: float32 ``[num_heads]`` or ``None``: attention sinks (GPT-OSS; Xiao et al. 2023, "Efficient
+                Streaming Language Models with Attention Sinks"), one learned logit per query head that joins the
+                softmax's denominator (unscaled, not soft-capped) and carries no value: the output is
+                ``sum_j e^(s_j) v_j / (e^(sink) + sum_j e^(s_j))``.
 
         Returns:
             ``[num_new_tokens, num_heads, head_dim]`` in the query dtype.

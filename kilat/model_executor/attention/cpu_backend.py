@@ -4,7 +4,7 @@ Every step is one call per layer of ``paged_attention`` (``kilat/csrc/cpu_attent
 decodes (one new token) with the GQA heads of one KV head together and long contexts split across threads
 (flash-decoding); prefill chunks (over a cached prefix or not) in tiles of tokens that read each key and value
 row once for all their rows, causal and sliding-window masks applied per row; scores soft-capped first where a layer
-has ``logits_soft_cap``. Caches in the model dtype, int8 or
+has ``logits_soft_cap``, attention sinks added where the partial results are merged. Caches in the model dtype, int8 or
 fp8 (dequantized as :func:`~.kv_cache.dequantize_kv` does). Its step metadata is the common
 :class:`~.metadata.AttentionMetadata` itself (the kernel reads its int32 ``block_table``, ``seq_lens`` and
 ``query_start_loc``): no host planning per step. The kernels are built on first use and cached
@@ -50,9 +50,11 @@ class CPUBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_attention_ops()
         if ops is None:
             raise RuntimeError("the cpu attention backend's C++ kernels are unavailable")
         return ops.paged_attention(query, kv_cache, kv_scales, metadata.block_table, metadata.seq_lens,
-                                   metadata.query_start_loc, scale, sliding_window or 0, logits_soft_cap or 0.0)
+                                   metadata.query_start_loc, scale, sliding_window or 0, logits_soft_cap or 0.0,
+                                   sinks)

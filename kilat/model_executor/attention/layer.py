@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kilat.distributed.parallel_state import get_tp_group
 from kilat.model_executor.attention.kv_cache import FullAttentionSpec
 from kilat.model_executor.forward_context import get_forward_context
 
@@ -23,6 +24,9 @@ class Attention(nn.Module):
         sliding_window: optional attention window in tokens (Mistral-style), ``None`` for full attention.
         logits_soft_cap: optional attention logit soft-capping ``c``: scores become ``c * tanh(scores / c)``
             before the softmax (Gemma 2's ``attn_logit_softcapping``), ``None`` for none.
+        sinks: hold :attr:`sinks`, float32 ``[num_heads]`` learned attention-sink logits (GPT-OSS's
+            ``self_attn.sinks``; see :meth:`AttentionBackend.forward`), loaded as this tensor-parallel rank's heads
+            of the checkpoint's; ``None`` without.
 
     Raises:
         ValueError: if ``num_heads`` is not a positive multiple of ``num_kv_heads``, or ``logits_soft_cap`` is not
@@ -30,7 +34,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -43,6 +47,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attend.
@@ -59,8 +67,15 @@ class Attention(nn.Module):
         backend = ctx.attn_backend
         backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping, kv_scales)
         out = backend.forward(query, key, value, kv_cache, ctx.backend_metadata, self.scale, self.sliding_window,
-                              kv_scales, self.logits_soft_cap)
+                              kv_scales, self.logits_soft_cap, self.sinks)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
+
+    def _load_sinks(self, tensor: torch.Tensor) -> None:
+        """Copy this rank's heads of the checkpoint's ``sinks [num_heads * tp_size]`` (any float dtype)."""
+        group = get_tp_group()
+        if tensor.shape != (self.num_heads * group.world_size,):
+            raise ValueError(f"sinks: expected shape ({self.num_heads * group.world_size},), got {tuple(tensor.shape)}")
+        self.sinks.data.copy_(tensor.narrow(0, group.rank * self.num_heads, self.num_heads))
 
     @property
     def kv_spec(self) -> FullAttentionSpec:
@@ -70,7 +85,8 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, sliding_window={self.sliding_window}"
-                + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap is not None else ""))
+                + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap is not None else "")
+                + (", sinks=True" if self.sinks is not None else ""))
 
 
 def attention_windows(model: nn.Module, num_caches: int) -> list[int | None]:

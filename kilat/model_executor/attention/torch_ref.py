@@ -4,8 +4,9 @@ It runs on the CPU and CUDA, reads every KV-cache dtype, and is the oracle of th
 (requests with one new token) are attended in groups of similar length: one gather of their paged context and one
 ``scaled_dot_product_attention`` call per group, padded to the group's longest context with a key mask. Requests
 with several new tokens (prefill chunks) are attended one by one with the causal offset of their context. SDPA
-cannot soft-cap the scores, so a layer with ``logits_soft_cap`` computes them explicitly instead (as HF's eager
-attention: scores, cap, mask, float32 softmax, weighted values). Its step metadata is :class:`~.plans.StepPlans`.
+cannot soft-cap the scores nor add attention sinks, so a layer with ``logits_soft_cap`` or ``sinks`` computes them
+explicitly instead (as HF's eager attention: scores, cap, mask, the sink column, float32 softmax, weighted values).
+Its step metadata is :class:`~.plans.StepPlans`.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: StepPlans, scale: float, sliding_window: int | None = None,
-                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales,
-                               logits_soft_cap)
+                               logits_soft_cap, sinks)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -67,7 +69,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     plans: StepPlans, scale: float, sliding_window: int | None = None,
-                    kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context (gather + SDPA).
 
     Call after :func:`write_kv` has stored this step's keys and values. Decodes are attended per length group
@@ -84,7 +87,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     def decode(i: int, q: torch.Tensor) -> torch.Tensor:
         return _decode_attention(q, kv_cache, kv_scales, groups[i], plans.decode_mask(i, sliding_window), scale,
-                                 logits_soft_cap)
+                                 logits_soft_cap, sinks)
 
     if len(groups) == 1 and plans.common.num_decode_tokens == query.shape[0]:
         return decode(0, query)
@@ -102,7 +105,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mask = plans.prefill_mask(i, sliding_window)
         # 4-D [1, heads, len, head_dim]: on CPU only 4-D inputs take the flash kernel (3-D falls back to math).
         o = _attention(query[plan.start:plan.end].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                       v.transpose(0, 1)[None], mask, scale, logits_soft_cap, is_causal=mask is None)
+                       v.transpose(0, 1)[None], mask, scale, logits_soft_cap,
+                       None if sinks is None else sinks[:, None, None], is_causal=mask is None)
         out[plan.start:plan.end] = o[0].transpose(0, 1)
     return out
 
@@ -116,36 +120,43 @@ def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tenso
 
 
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               logits_soft_cap: float | None, is_causal: bool = False) -> torch.Tensor:
+               logits_soft_cap: float | None, sinks: torch.Tensor | None = None, is_causal: bool = False
+               ) -> torch.Tensor:
     """``scaled_dot_product_attention`` (GQA: ``key``/``value`` may have fewer heads), or with ``logits_soft_cap``
-    ``c`` the same computed explicitly with scores ``c * tanh(scale * q.k / c)`` (HF's eager attention).
+    ``c`` or ``sinks`` the same computed explicitly (HF's eager attention): scores ``c * tanh(scale * q.k / c)``,
+    each row's sink logit appended to its scores for the softmax and dropped after it.
 
     Args:
         query: ``[..., heads, q_len, head_dim]``; key, value: ``[..., kv_heads, k_len, head_dim]``.
         mask: bool, broadcastable to ``[..., heads, q_len, k_len]`` (True = attend), or ``None``: every key, or
             with ``is_causal`` a top-left causal mask.
+        sinks: float32 sink logits broadcastable to ``[..., heads, q_len, 1]``, or ``None``.
 
     Returns:
         ``[..., heads, q_len, head_dim]`` in the query dtype.
     """
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     group = query.shape[-3] // key.shape[-3]
     if group > 1:
         key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
+    scores = torch.cat([scores.float(), sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1)[..., :-1].to(query.dtype), value)
 
 
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
                       plan: DecodePlan, mask: torch.Tensor | None, scale: float,
-                      logits_soft_cap: float | None = None) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one group of decodes: one block gather and one SDPA call for all of them.
 
     The ``g = num_heads // num_kv_heads`` query heads that share a KV head are laid out as ``g`` query rows
@@ -155,7 +166,7 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: to
         query: ``[num_decodes, num_heads, head_dim]``.
         kv_scales: the scales of a quantized ``kv_cache``, else ``None``.
         mask: the group's key mask from :meth:`StepPlans.decode_mask`, or ``None``.
-        logits_soft_cap: as :meth:`AttentionBackend.forward`.
+        logits_soft_cap, sinks: as :meth:`AttentionBackend.forward`.
 
     Returns:
         ``[num_decodes, num_heads, head_dim]``.
@@ -165,5 +176,6 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: to
     kv = _gather(kv_cache, kv_scales, plan.block_ids, query.dtype)
     kv = kv.view(2, num_decodes, plan.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = _attention(q, kv[0], kv[1], mask, scale, logits_soft_cap)
+    o = _attention(q, kv[0], kv[1], mask, scale, logits_soft_cap,
+                   None if sinks is None else sinks.view(num_kv_heads, -1, 1))
     return o.reshape(num_decodes, num_heads, head_dim)

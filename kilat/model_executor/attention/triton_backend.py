@@ -91,9 +91,10 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonMetadata, scale: float, sliding_window: int | None = None,
-                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window, kv_scales,
-                               logits_soft_cap)
+                               logits_soft_cap, sinks)
 
 
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -134,7 +135,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     metadata: TritonMetadata, scale: float, sliding_window: int | None = None,
-                    kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    kv_scales: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's whole paged context.
 
     :meth:`AttentionBackend.forward`; ``key`` and ``value`` are unused (the kernels read the cache, already
@@ -149,6 +151,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_scales: the scales of an int8/fp8 ``kv_cache`` (see :func:`write_kv`), else ``None``.
         logits_soft_cap: if set, scores ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)`` before the
             mask and softmax (a compile-time constant of the kernels: one variant per value).
+        sinks: float32 ``[num_heads]`` attention-sink logits (contiguous, on the query's device), or ``None``.
 
     Returns:
         ``[num_new_tokens, num_heads, head_dim]`` in the query dtype (rows of padding requests are 0).
@@ -159,9 +162,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     cache = _PagedCache(kv_cache, kv_scales)
     soft_cap = float(logits_soft_cap or 0.0)
     if metadata.common.max_query_len == 1:
-        _decode(query, cache, metadata.common, scale, sliding_window or NO_WINDOW, soft_cap, out)
+        _decode(query, cache, metadata.common, scale, sliding_window or NO_WINDOW, soft_cap, sinks, out)
     else:
-        _extend(query, cache, metadata, scale, sliding_window or NO_WINDOW, soft_cap, out)
+        _extend(query, cache, metadata, scale, sliding_window or NO_WINDOW, soft_cap, sinks, out)
     return out
 
 
@@ -179,7 +182,7 @@ class _PagedCache:
 
 
 def _decode(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata, scale: float, window: int,
-            soft_cap: float, out: torch.Tensor) -> None:
+            soft_cap: float, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
@@ -195,14 +198,14 @@ def _decode(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata
         BLOCK_N=_BLOCK_N, PARTITION=PARTITION, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST,
         QUANT=cache.quantized, SOFT_CAP=soft_cap)
     decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, metadata.seq_lens, num_splits, part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PARTITION=PARTITION)
+        part_out, part_lse, out, metadata.seq_lens, part_lse if sinks is None else sinks, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PARTITION=PARTITION, HAS_SINKS=sinks is not None)
 
 
 def _extend(query: torch.Tensor, cache: _PagedCache, step: TritonMetadata, scale: float, window: int,
-            soft_cap: float, out: torch.Tensor) -> None:
+            soft_cap: float, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
     metadata = step.common
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = cache.num_kv_heads
@@ -212,8 +215,9 @@ def _extend(query: torch.Tensor, cache: _PagedCache, step: TritonMetadata, scale
     tile_req, tile_start = step.extend_tiles(tile_tokens)
     extend_kernel[(tile_req.shape[0], num_kv_heads)](
         query, *cache.pointers, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, tile_req,
-        tile_start, out, scale, query.stride(0), query.stride(1), metadata.block_table.stride(0), *cache.strides,
-        out.stride(0), out.stride(1), window, GROUP=group, TILE_TOKENS=tile_tokens, BLOCK_M=block_m,
+        tile_start, out, out if sinks is None else sinks, scale, query.stride(0), query.stride(1),
+        metadata.block_table.stride(0), *cache.strides, out.stride(0), out.stride(1), window, GROUP=group,
+        TILE_TOKENS=tile_tokens, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=metadata.block_size,
         BLOCK_N=_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST, QUANT=cache.quantized,
-        SOFT_CAP=soft_cap)
+        SOFT_CAP=soft_cap, HAS_SINKS=sinks is not None)

@@ -193,12 +193,13 @@ def decode_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, pa
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_splits,
+def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, sinks_ptr, num_splits,
                          stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         PARTITION: tl.constexpr):
+                         PARTITION: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Grid ``(num_seqs, num_heads)``: combine the partitions that hold context by their log-sum-exp (0 for a
-    sequence without context)."""
+    sequence without context). ``HAS_SINKS``: head ``h``'s float32 sink logit ``sinks_ptr[h]`` joins the
+    denominator, ``e^(sink)`` next to each partition's ``e^(lse)`` (attention sinks, GPT-OSS)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -207,9 +208,14 @@ def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_
     s_mask = (s < num_splits) & (s * PARTITION < seq_len)
     lse = tl.load(part_lse_ptr + seq * stride_pl_t + head * stride_pl_h + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m)
     part = tl.load(part_out_ptr + seq * stride_po_t + head * stride_po_h + s[:, None] * stride_po_s + d[None, :],
                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
@@ -218,17 +224,20 @@ def decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_
 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def extend_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, tile_req_ptr,
-                  tile_start_ptr, out_ptr, scale, stride_qt, stride_qh, stride_bt, values_offset, stride_block,
-                  stride_tok, scale_values_offset, stride_scale_block, stride_scale_tok, stride_ot, stride_oh, window,
+                  tile_start_ptr, out_ptr, sinks_ptr, scale, stride_qt, stride_qh, stride_bt, values_offset,
+                  stride_block, stride_tok, scale_values_offset, stride_scale_block, stride_scale_tok, stride_ot,
+                  stride_oh, window,
                   GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SOFT_CAP: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SOFT_CAP: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     """Grid ``(num_tiles, num_kv_heads)``: tile ``i`` holds new tokens ``tile_start[i] ..`` (at most
     ``TILE_TOKENS``) of request ``tile_req[i]``; row ``m`` is token ``m // GROUP``, query head
     ``kv_head * GROUP + m % GROUP``. Causal over the paged context: the token at position ``p`` (its request's
     context length + its index among the new tokens) sees keys ``p - window < j <= p`` (``window`` =
     ``NO_WINDOW`` for all of them). The new keys must already be in the cache. ``SOFT_CAP`` > 0: scores
-    soft-capped (see :func:`_online_softmax`).
+    soft-capped (see :func:`_online_softmax`). ``HAS_SINKS``: each row's head's float32 sink logit
+    (``sinks_ptr[head]``) joins the softmax's denominator after the last key tile (attention sinks, GPT-OSS).
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -265,6 +274,12 @@ def extend_kernel(q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, qu
         allowed = valid[None, :] & (offs[None, :] <= pos[:, None]) & (offs[None, :] > pos[:, None] - window)
         m_i, l_i, acc = _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION, UPCAST, SOFT_CAP)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])

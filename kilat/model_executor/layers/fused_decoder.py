@@ -83,7 +83,8 @@ class FusedDecoderLayer:
               gate_up_proj: Linear, down_proj: Linear, attn: Attention, q_norm: RMSNorm | None = None,
               k_norm: RMSNorm | None = None) -> FusedDecoderLayer | None:
         """Bind a layer (its modules, after ``process_weights_after_loading``), or ``None`` when it cannot be fused:
-        a projection without one packed weight, weights off the CPU, norms with different ``eps``, or the C++
+        a projection without one packed weight, weights off the CPU, norms with different ``eps``, attention with
+        soft-capping or sinks, or the C++
         extension unavailable (no compiler, ``KILAT_CPU_DECODER=torch``, or the kernels it calls missing or with other
         signatures: ``ready()`` is false). Layers bind one by one: a model may mix fused and Python layers (a GGUF
         whose ``attn_v`` is Q6_K in a Q4_K file has a ``qkv_proj`` of several parts). A layer split across
@@ -91,6 +92,8 @@ class FusedDecoderLayer:
         norms = [input_layernorm, post_attention_layernorm] + ([q_norm, k_norm] if q_norm is not None else [])
         linears = (qkv_proj, o_proj, gate_up_proj, down_proj)
         if o_proj.tp_size > 1:  # the op has no all-reduce after o_proj and down_proj
+            return None
+        if attn.logits_soft_cap is not None or attn.sinks is not None:  # the op passes neither to the attention
             return None
         packed = [linear.quant_method.packed_weight() for linear in linears]
         if any(w is None or not w.qweight.is_cpu for w in packed) or len({n.eps for n in norms}) != 1:

@@ -39,15 +39,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                  skip: Callable[[str], bool], tied_lm_head: bool) -> None:
     """Copy HF-named checkpoint tensors into ``model``'s (fused) parameters.
 
-    A checkpoint projection named in ``packed`` goes into its shard of the fused layer; a fused layer's whole
-    tensor (a checkpoint that stores it fused, e.g. Phi-3's ``qkv_proj``) is split into its shards by their
-    whole sizes (dense tensors only). A linear layer's tensors go through its quantization method
-    (``Linear.load_weight``, which narrows them to this tensor-parallel rank's slice); the embedding table goes to
+    A checkpoint projection named in ``packed`` goes into its shard of the fused layer; a fused layer's whole tensor
+    (a checkpoint that stores it fused, e.g. Phi-3's ``qkv_proj``) is split into its shards by their whole sizes
+    (dense tensors only). A linear layer's tensors go through its quantization method (``Linear.load_weight``, which
+    narrows them to this tensor-parallel rank's slice); the embedding table goes to
     ``model.model.embed_tokens.load_weight`` (dense, or a quantized ``QuantWeight`` that a tied ``lm_head`` then
-    shares); others are copied into the parameter. Names for which ``skip`` is true (rotary buffers, other
-    pipeline stages' modules) and, with ``tied_lm_head``, ``lm_head.weight`` are ignored. Tensors under a
-    :class:`FusedMoE` module (``...experts.3.gate_proj.weight``) go to its ``load_checkpoint_tensor``, which stacks
-    each expert's projections.
+    shares); a parameter with a ``weight_loader`` attribute is given the tensor; others are copied into it. Names
+    for which ``skip`` is true (rotary buffers, other pipeline stages' modules) and, with ``tied_lm_head``,
+    ``lm_head.weight`` are ignored. Tensors under a :class:`FusedMoE` module (``...experts.3.gate_proj.weight``) go
+    to its ``load_checkpoint_tensor``, which stacks each expert's projections.
 
     Raises:
         ValueError: on a checkpoint name with no parameter, a shape mismatch, a fused tensor that is not dense,
@@ -104,6 +104,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         elif target not in params or shard is not None:
             unexpected.append(name)
             continue
+        elif (loader := getattr(params[target], "weight_loader", None)) is not None:
+            loader(tensor)  # the parameter loads itself (e.g. this rank's heads of attention sinks)
         elif params[target].shape != tensor.shape:
             raise ValueError(f"{name}: expected shape {tuple(params[target].shape)}, got {tuple(tensor.shape)}")
         else:
