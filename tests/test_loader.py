@@ -232,6 +232,12 @@ def test_gguf_cache_does_not_use_partial_folders(fake_conversions: list[str], tm
     (folder / "kilat-cache.json").unlink()  # a folder without its manifest (written last)
     assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 3
     assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 3
+    manifest = json.loads((folder / "kilat-cache.json").read_text())
+    assert manifest["conversion"] == gguf_cache.CONVERSION_VERSION
+    del manifest["conversion"]  # written by code before conversion versions (e.g. MoE GGUFs without their experts)
+    (folder / "kilat-cache.json").write_text(json.dumps(manifest))
+    assert converted_gguf_dir(str(model)) == str(folder) and len(fake_conversions) == 4
+    assert json.loads((folder / "kilat-cache.json").read_text())["conversion"] == gguf_cache.CONVERSION_VERSION
 
 
 def test_gguf_cache_concurrent_conversions(fake_conversions: list[str], tmp_path: Path,

@@ -34,7 +34,7 @@ _BLOCK_N = 64
 """Keys per tile."""
 _BLOCK_M = 64
 """Query rows (tokens × query heads of one KV head) per extend tile."""
-_UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
 """Multiply in float32 copies under Triton's interpreter, whose 16-bit ``tl.dot`` is wrong."""
 
 
@@ -101,7 +101,7 @@ _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 """Mantissa bits and smallest normal exponent of each fp8 cache dtype."""
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """float32 products in full IEEE precision (greedy float32 must match the reference); TF32 is not."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -195,7 +195,7 @@ def _decode(query: torch.Tensor, cache: _PagedCache, metadata: AttentionMetadata
         query.stride(0), query.stride(1), metadata.block_table.stride(0), *cache.strides, part_out.stride(0),
         part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), window, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=metadata.block_size,
-        BLOCK_N=_BLOCK_N, PARTITION=PARTITION, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST,
+        BLOCK_N=_BLOCK_N, PARTITION=PARTITION, DOT_PRECISION=dot_precision(query.dtype), UPCAST=UPCAST_DOTS,
         QUANT=cache.quantized, SOFT_CAP=soft_cap)
     decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, metadata.seq_lens, part_lse if sinks is None else sinks, num_splits,
@@ -219,5 +219,5 @@ def _extend(query: torch.Tensor, cache: _PagedCache, step: TritonMetadata, scale
         metadata.block_table.stride(0), *cache.strides, out.stride(0), out.stride(1), window, GROUP=group,
         TILE_TOKENS=tile_tokens, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=metadata.block_size,
-        BLOCK_N=_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype), UPCAST=_UPCAST, QUANT=cache.quantized,
+        BLOCK_N=_BLOCK_N, DOT_PRECISION=dot_precision(query.dtype), UPCAST=UPCAST_DOTS, QUANT=cache.quantized,
         SOFT_CAP=soft_cap, HAS_SINKS=sinks is not None)

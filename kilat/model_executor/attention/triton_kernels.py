@@ -24,7 +24,7 @@ MIN_SCALE = tl.constexpr(MIN_KV_SCALE)
 
 
 @triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``a @ b`` in float32. ``UPCAST`` multiplies float32 copies: Triton's interpreter gets 16-bit products
     wrong, so the CPU tests set it; compiled kernels multiply 16-bit inputs on tensor cores."""
     if UPCAST:
@@ -96,7 +96,7 @@ def _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION: tl.co
     """One FlashAttention step: fold the ``allowed`` scores of ``q`` against this key tile into the running
     max ``m_i``, sum ``l_i`` and unnormalized output ``acc`` (rows with nothing allowed yet stay empty). With
     ``SOFT_CAP`` ``c > 0`` the scores are soft-capped first, ``c * tanh(s / c)``."""
-    scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
+    scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale
     if SOFT_CAP > 0:
         scores = SOFT_CAP * _tanh(scores / SOFT_CAP)
     scores = tl.where(allowed, scores, float("-inf"))
@@ -105,7 +105,7 @@ def _online_softmax(q, k, v, allowed, scale, m_i, l_i, acc, DOT_PRECISION: tl.co
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
     return m_new, l_i, acc
 
 

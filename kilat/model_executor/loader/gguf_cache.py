@@ -4,8 +4,9 @@ Layout:
 
 - ``sha256-<first 16 hex digits of the GGUF's sha256>/``: one converted checkpoint per distinct GGUF *content*,
   so copies of a file, or a reinstall that gives it a new mtime, share one folder. Its manifest
-  ``kilat-cache.json`` (``{"sha256", "source", "files": {name: bytes}}``) is written last; a folder whose
-  manifest is missing, names another digest, or disagrees with the files' sizes is never used.
+  ``kilat-cache.json`` (``{"sha256", "conversion", "source", "files": {name: bytes}}``) is written last; a folder
+  whose manifest is missing, names another digest or an older :data:`CONVERSION_VERSION`, or disagrees with the
+  files' sizes is never used (it is converted again).
 - ``digests.json``: the sha256 of every GGUF seen, by real path, with the ``(size, mtime_ns, ctime_ns)`` it was
   computed at; while those are unchanged a start reads the digest from here instead of the whole file.
 - ``.<key>.<random>/``: a conversion in progress; its writer holds an ``flock`` on ``.lock`` inside it until
@@ -35,6 +36,11 @@ KEY_PREFIX = "sha256-"
 MANIFEST = "kilat-cache.json"
 DIGESTS = "digests.json"
 LOCK = ".lock"
+CONVERSION_VERSION = 2
+"""The version of what a conversion writes, recorded in each manifest; bumped whenever the converter's output
+changes, so that folders written by older code are converted again rather than reused. 2: MoE GGUFs' experts
+(Qwen2/3-MoE's ``expert_feed_forward_length``, Mixtral's experts that transformers drops), 2026-12-04; 1 (no
+``conversion`` field): earlier."""
 
 
 def kilat_cache_dir() -> str:
@@ -108,16 +114,17 @@ def write_manifest(folder: str, digest: str, source: str) -> None:
             rel = os.path.relpath(os.path.join(directory, name), folder)
             if rel not in (MANIFEST, LOCK):
                 files[rel] = os.path.getsize(os.path.join(folder, rel))
-    _write_json(os.path.join(folder, MANIFEST), {"sha256": digest, "source": source, "files": files})
+    _write_json(os.path.join(folder, MANIFEST),
+                {"sha256": digest, "conversion": CONVERSION_VERSION, "source": source, "files": files})
 
 
 def is_complete(folder: str, digest: str) -> bool:
-    """Whether ``folder`` holds a whole conversion of the GGUF with sha256 ``digest``: its manifest names that
-    digest and every file it lists is there with the listed size."""
+    """Whether ``folder`` holds a whole, current conversion of the GGUF with sha256 ``digest``: its manifest names
+    that digest and :data:`CONVERSION_VERSION`, and every file it lists is there with the listed size."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
             manifest = json.load(f)
-        return manifest["sha256"] == digest and all(
+        return manifest["sha256"] == digest and manifest.get("conversion") == CONVERSION_VERSION and all(
             os.path.getsize(os.path.join(folder, rel)) == size for rel, size in manifest["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False

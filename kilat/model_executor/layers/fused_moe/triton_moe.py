@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kilat.model_executor.attention.triton_backend import _UPCAST, _dot_precision
-from kilat.model_executor.attention.triton_kernels import _dot
+from kilat.model_executor.attention.triton_backend import UPCAST_DOTS, dot_precision
+from kilat.model_executor.attention.triton_kernels import dot
 from kilat.model_executor.layers.fused_moe.experts import SILU, GatedActivation
 
 _BLOCK_N = 64
@@ -98,7 +98,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sorted_tok
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += _dot(a, b, DOT_PRECISION, UPCAST)
+        acc += dot(a, b, DOT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:
@@ -122,7 +122,7 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: 
         num_pairs, n, w.shape[2], a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         out.stride(1), 0 if bias is None else bias.stride(0), TOP_K=top_k, HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=mul_routed_weight, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(a.dtype), UPCAST=_UPCAST, num_warps=4, num_stages=3)
+        DOT_PRECISION=dot_precision(a.dtype), UPCAST=UPCAST_DOTS, num_warps=4, num_stages=3)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
