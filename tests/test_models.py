@@ -16,6 +16,7 @@ from transformers import (
     DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -105,6 +106,15 @@ CASES: dict[str, PretrainedConfig] = {
         norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 0.8, "original_max_position_embeddings": 64}),
+    # GPT-OSS: attention sinks (randomized to std 1 by random_hf_model), q/k/v/o biases, a sliding layer (window 8)
+    # then a full one, YaRN, a biased router (softmax over the top-k logits) and biased experts whose clamped SwiGLU
+    # bites (swiglu_limit 0.5: about a quarter of the gates and half of the ups are clamped here)
+    "gpt-oss-sinks-sliding-yarn-clamped": GptOssConfig(
+        **{**_COMMON, "intermediate_size": 32}, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.5,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }
 
 
@@ -122,7 +132,10 @@ def random_hf_model(config: PretrainedConfig, path: Path) -> torch.nn.Module:
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # HF init leaves biases 0 and norms 1; randomize everything so all of it is tested
         for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            if name.endswith("self_attn.sinks"):  # GPT-OSS's sinks (HF: std 0.02) take a sizeable share of softmaxes
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
         for name, b in hf.named_buffers():  # DeepSeek-V3's router bias is a buffer (HF initializes it to 0)
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
@@ -303,3 +316,16 @@ def test_load_weights_reports_missing_and_unexpected() -> None:
         model.load_weights([*weights.items(), ("model.layers.0.self_attn.q_proj.bias", torch.zeros(64))])
     with pytest.raises(ValueError, match="shape"):
         model.load_weights([("model.norm.weight", torch.ones(3))])
+
+
+def test_gpt_oss_mxfp4_experts_are_refused() -> None:
+    """The released GPT-OSS checkpoints' MXFP4 expert tensors (``*_blocks`` uint8, ``*_scales``) are refused by name
+    (only 16/32-bit experts load)."""
+    config = CASES["gpt-oss-sinks-sliding-yarn-clamped"]
+    model = get_model_class("GptOssForCausalLM")(config, torch.float32)
+    weights = {k: v for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+               if not k.endswith("layers.0.mlp.experts.gate_up_proj")}
+    blocks = ("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(4, 64, 2, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj_blocks: MXFP4-quantized GPT-OSS "
+                                         r"experts are not supported"):
+        model.load_weights([*weights.items(), blocks])

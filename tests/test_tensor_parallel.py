@@ -90,6 +90,19 @@ def test_moe_experts_and_shared_expert_split_across_ranks(tmp_path):
                                                                                           **kwargs)
 
 
+def test_gpt_oss_sinks_and_biased_experts_split_across_ranks(tmp_path):
+    """GPT-OSS: each rank holds its two query heads' attention sinks and half of every biased expert (the experts'
+    down-projection bias added once); a sliding layer then a full one, prompts longer than the 8-token window. Two
+    ranks give one rank's tokens."""
+    from tests.test_models import CASES, random_hf_model
+
+    random_hf_model(CASES["gpt-oss-sinks-sliding-yarn-clamped"], tmp_path)
+    kwargs = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 128}
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(20 + i)] for i in range(4)]
+    assert _greedy(str(tmp_path), prompts, **kwargs, tensor_parallel_size=2) == _greedy(str(tmp_path), prompts,
+                                                                                          **kwargs)
+
+
 def test_a_cache_too_big_for_one_rank_fits_on_two(tiny_llama_dir):
     """Each rank's ``kv_cache_memory`` holds half the key/value heads: 32 KiB is 64 tokens of the tiny model's
     KV on one rank (fewer than ``max_model_len`` 100: refused), 128 tokens per rank on two (served, with the

@@ -82,12 +82,13 @@ class LlamaAttention(nn.Module):
     """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj.
 
     Under tensor parallelism each rank runs its own heads (:class:`QKVParallelLinear`) and ``o_proj`` sums the
-    ranks' outputs (:class:`RowParallelLinear`).
+    ranks' outputs (:class:`RowParallelLinear`). With ``sinks`` the paged attention layer holds one learned
+    attention-sink logit per (this rank's) query head (GPT-OSS; :class:`Attention`).
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool,
                  qk_norm: str | None, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, *, sinks: bool = False) -> None:
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
@@ -110,7 +111,7 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = getattr(config, "clip_qkv", None)
         scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = Attention(cache_idx, self.num_heads, self.num_kv_heads, self.head_dim, scale,
-                              _sliding_window(config, layer_idx))
+                              _sliding_window(config, layer_idx), sinks=sinks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``; ``cos``/``sin`` from :class:`RotaryEmbedding` for the T tokens."""

@@ -23,6 +23,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 """Architecture → (module of ``kilat.model_executor.models``, class)."""
 
@@ -41,6 +42,7 @@ ARCH_BY_MODEL_TYPE = {
     "olmoe": "OlmoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 """HF ``model_type`` → architecture, for configs that lack ``architectures`` (GGUF metadata, presets)."""
 
