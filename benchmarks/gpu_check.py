@@ -32,6 +32,10 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
   message on one): a random Llama (hidden 512, 8 layers, 8 query / 4 KV heads, saved by transformers) in float32
   on one GPU, ``tensor_parallel_size`` 2, ``pipeline_parallel_size`` 2 and (with 4 GPUs) both: greedy tokens
   of 16 prompts of 64 tokens (must equal one GPU's) and output tokens/s. ``--smoke`` runs it on the CPU (gloo).
+- ``families``: every model family of ``tests/test_models.py``'s CASES (tiny random checkpoints written by
+  transformers: Llama to GPT-OSS, Gemma, MoE and MLA ones) through the engine on this device (its default backend,
+  CUDA graphs, prefix caching, chunked prefill): greedy float32 tokens against HF ``generate`` (must be equal).
+  It imports the test suite's helpers (``tests/``, which needs pytest).
 
 The summary checks issue 5's targets. It needs only torch, Triton and transformers (no server packages):
 
@@ -67,10 +71,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MARK = "GPU_CHECK_RESULT "
 MODELS = ("llama-3-8b", "smollm2-135m")
 SECTIONS = ("kernels", "moe", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-            "hf-smollm2-135m", "quantization", "spec_decode", "parallel")
+            "hf-smollm2-135m", "quantization", "spec_decode", "parallel", "families")
 TIMEOUTS_S = {"kernels": 150, "moe": 120, "graphs": 150, "kilat-llama-3-8b": 150, "hf-llama-3-8b": 200,
               "kilat-smollm2-135m": 120, "hf-smollm2-135m": 150, "quantization": 240, "spec_decode": 180,
-              "parallel": 240}
+              "parallel": 240, "families": 240}
 SMOKE_TIMEOUT_FACTOR = 3
 """``--smoke`` runs on CPUs that the rest of the test suite shares, Triton in its interpreter: each section gets
 this many times its ``TIMEOUTS_S`` (and ``--budget-s`` defaults to twice the full run's)."""
@@ -746,6 +750,28 @@ def section_parallel(args: argparse.Namespace) -> dict[str, Any]:
             and not any("error" in run for run in splits.values())}
 
 
+def section_families(args: argparse.Namespace) -> dict[str, Any]:
+    """Every model family of ``tests/test_models.py``'s CASES (tiny random checkpoints saved by transformers) end to
+    end on this device: the engine's greedy float32 tokens (its default backend and CUDA graphs, prefix caching,
+    16-token chunked prefill; ``tests/test_model_families.py``'s run) against HF ``generate`` on the CPU."""
+    from tests.test_model_families import greedy_prompts, hf_greedy, kilat_greedy
+    from tests.test_models import CASES, random_hf_model
+
+    cases = sorted(CASES)[:2] if args.smoke else sorted(CASES)
+    results: dict[str, Any] = {}
+    for case in cases:
+        with tempfile.TemporaryDirectory() as path:
+            try:
+                hf = random_hf_model(CASES[case], Path(path))
+                prompts = greedy_prompts(CASES[case].vocab_size)
+                want = hf_greedy(hf, prompts)
+                got = kilat_greedy(path, prompts, max_num_seqs=4)
+                results[case] = {"equal": got == want, **({} if got == want else {"kilat": got, "hf": want})}
+            except Exception as e:  # noqa: BLE001 - one family's failure is reported, the others still run
+                results[case] = {"equal": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    return {"device": str(device()), "cases": results, "all_equal": all(r["equal"] for r in results.values())}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kernels": section_kernels,
     "moe": section_moe,
@@ -755,6 +781,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "quantization": section_quantization,
     "spec_decode": section_spec_decode,
     "parallel": section_parallel,
+    "families": section_families,
 }
 
 
@@ -810,6 +837,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         **check(get(*kv, "num_blocks_vs_bf16"), 1.9), "decode_speedup_vs_bf16": get(*kv, "decode_speedup_vs_bf16"),
         "error": get(*kv, "error")}
     # distributed execution (issue 16): None (not met, not failed) when the section was skipped on one GPU
+    summary["families greedy float32 equal to HF (tests/test_models.py CASES)"] = {
+        **check(get("families", "all_equal"), True),
+        "unequal": sorted(c for c, r in (get("families", "cases") or {}).items() if not r["equal"])}
     summary["parallel greedy float32 equal to one rank (tp2, pp2, tp2-pp2 where there are GPUs)"] = {
         **check(get("parallel", "all_equal"), True), "skipped": get("parallel", "skipped"),
         "output_tokens_per_s": {name: get("parallel", "splits", name, "output_tokens_per_s")

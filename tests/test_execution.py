@@ -104,14 +104,15 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert set(sections) == {"kernels", "moe", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-                             "hf-smollm2-135m", "quantization", "spec_decode", "parallel"}
+                             "hf-smollm2-135m", "quantization", "spec_decode", "parallel", "families"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     # HF generate_batch sized its paged cache from free host memory (12.5 GB peak on a 24 GiB machine)
     assert 100 < report["peak_rss_mib"] < 2048, {name: s["peak_rss_mib"] for name, s in sections.items()}
     assert report["peak_rss_mib"] >= max(s["peak_rss_mib"] for s in sections.values())
     assert sections["kernels"]["all_pass"] is True
     assert {c["case"] for c in sections["kernels"]["correctness"] if c["op"] == "attention"} == {
-        "decode", "prefill", "chunked_prefix", "mixed", "window"}
+        "decode", "prefill", "chunked_prefix", "mixed", "window", "soft_cap", "sinks_window"}
+    assert len(sections["families"]["cases"]) == 2 and sections["families"]["all_equal"] is True
     for model in ("llama-3-8b", "smollm2-135m"):
         assert sections[f"kilat-{model}"]["w1"]["output_tokens"] == 8 * 8
         assert sections[f"hf-{model}"]["w1_generate_batch"]["output_tokens"] == 8 * 8

@@ -32,11 +32,12 @@ def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
     return want
 
 
-def kilat_greedy(model: str, prompts: list[list[int]]) -> list[list[int]]:
+def kilat_greedy(model: str, prompts: list[list[int]], **engine_kwargs: object) -> list[list[int]]:
     """The engine's greedy float32 ``MAX_TOKENS`` new tokens of :func:`greedy_prompts`' prompts: the first alone,
-    then the other two in one batch, the second reading the first's two cached 16-token blocks."""
+    then the other two in one batch, the second reading the first's two cached 16-token blocks (``engine_kwargs``:
+    more engine arguments, e.g. ``benchmarks/gpu_check.py``'s ``max_num_seqs``)."""
     llm = LLM(model, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-              enable_prefix_caching=True, num_gpu_blocks_override=64, skip_tokenizer_init=True)
+              enable_prefix_caching=True, num_gpu_blocks_override=64, skip_tokenizer_init=True, **engine_kwargs)
     try:
         # min_tokens, as HF's min_new_tokens: EOS is masked, not only ignored (it may be the argmax)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)

@@ -129,7 +129,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def random_hf_model(config: PretrainedConfig, path: Path) -> torch.nn.Module:
     """A float32 HF model of ``config`` with every parameter random (seeded), saved to ``path``."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # eager: HF's reference math (an older transformers' SDPA path ignored Gemma 2's attention soft-capping)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():  # HF init leaves biases 0 and norms 1; randomize everything so all of it is tested
         for name, p in hf.named_parameters():
             if name.endswith("self_attn.sinks"):  # GPT-OSS's sinks (HF: std 0.02) take a sizeable share of softmaxes
@@ -277,6 +278,10 @@ def test_rotary_matches_hf(rope: dict) -> None:
                                atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(apply_rotary(k[0].transpose(0, 1), our_cos, our_sin), want_k[0].transpose(0, 1),
                                atol=1e-6, rtol=1e-6)
+    with torch.device("meta"):  # as the loader builds models (``with torch.device("cuda")``): one device throughout
+        inv_freq, scaling = rope_inv_freq(config, 64)
+        assert inv_freq.device.type == "meta"
+        assert RotaryEmbedding(64, 256, inv_freq, scaling).cos_sin_cache.device.type == "meta"
 
 
 def test_registry_rejects_unknown_architecture() -> None:

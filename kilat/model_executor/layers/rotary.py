@@ -70,8 +70,10 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int, layer_type: str | Non
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
     kwargs = {"layer_type": layer_type or "full_attention"} if _keyed_by_layer_type(config) else {}
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
-    return inv_freq.to(torch.float32), float(attention_factor)
+    device = torch.get_default_device()  # a model built under ``with torch.device("cuda")`` needs them there
+    with torch.device("cpu"):  # transformers' functions compute on the CPU whatever the surrounding default
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    return inv_freq.to(device=device, dtype=torch.float32), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):

@@ -26,6 +26,9 @@ from kilat.model_executor.layers.fused_moe import GatedActivation
 from kilat.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 from kilat.model_executor.models.moe import SparseMoeBlock
 
+SWIGLU_ALPHA = 1.702
+"""The clamped SwiGLU's ``alpha`` where the config has none (older transformers, e.g. 5.17, hard-code it)."""
+
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """``GptOssForCausalLM`` (HF ``GptOssConfig``, ``model_type`` ``"gpt_oss"``): :class:`LlamaForCausalLM` whose
@@ -50,7 +53,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(config, dtype, quant_config, prefix, num_experts=config.num_local_experts,
                               top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,
                               renormalize=True, router_bias=True, has_bias=True,
-                              activation=GatedActivation("swigluoai", config.swiglu_alpha, config.swiglu_limit))
+                              activation=GatedActivation("swigluoai", getattr(config, "swiglu_alpha", SWIGLU_ALPHA),
+                                                         config.swiglu_limit))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As :meth:`LlamaForCausalLM.load_weights`, the stacked experts converted first (:func:`to_fused_moe`).

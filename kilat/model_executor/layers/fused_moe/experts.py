@@ -88,7 +88,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     the gate/up projection and the down projection each run as one grouped GEMM over the experts' contiguous row
     ranges; the weighted rows are added back to their tokens in expert order (HF's summation order). Where torch's
     ``grouped_mm`` does not run for this device and dtype (or the expert sizes are not 16-byte aligned), the
-    Triton grouped GEMM (:mod:`.triton_moe`) runs on CUDA and the per-expert loop elsewhere: on an H200
+    Triton grouped GEMM (:mod:`.triton_moe`) runs on CUDA and the per-expert loop elsewhere; the Triton kernel also
+    runs while a CUDA graph is captured (it never waits for the device; ``grouped_mm`` was never checked under
+    capture). On an H200
     ``grouped_mm`` was 1.5-2.3x faster than the Triton kernel at 1-512 tokens (docs/benchmarks.md, "First GPU run").
 
     Args:
@@ -106,14 +108,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     aligned = not any(size * x.element_size() % 16 for size in w2.shape[1:])
-    if not aligned or not _grouped_mm_runs(x.device.type, x.dtype):
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph: the sync-free Triton path
+    if capturing or not aligned or not _grouped_mm_runs(x.device.type, x.dtype):
         if x.is_cuda and _triton_moe() is not None:
             return _triton_moe().fused_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
         return looped_experts(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
-    offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device)
+    offsets = counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids)).cumsum(0).to(torch.int32)  # no host sync
     token = order // top_k
     h = F.grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
     if w13_bias is not None:
