@@ -11,7 +11,7 @@ from kilat.sampling_params import SamplingParams
 def make_state(rid: str, prompt: list[int], params: SamplingParams, eos_token_id: int | None = None,
                index: int = 0, output: list[int] | None = None) -> CachedRequestState:
     """A request state with ``output`` tokens already sampled (its KV computed up to the last one)."""
-    state = CachedRequestState(NewRequestData(rid, prompt, params, eos_token_id, index, [], 0))
+    state = CachedRequestState(NewRequestData(rid, prompt, params, eos_token_id, index, [[]], 0))
     state.append_tokens(list(output or []))
     state.num_computed_tokens = state.num_tokens - 1 if output else 0
     return state

@@ -60,7 +60,7 @@ def test_a_worker_exception_fails_its_call_and_a_dead_worker_the_engine(tiny_lla
     llm = LLM(tiny_llama_dir, dtype="float32", distributed_executor_backend="mp")
     want = LLM(tiny_llama_dir, dtype="float32").generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     unknown = CachedRequestData()
-    unknown.append("never-scheduled", False, [], 1, 3, [])
+    unknown.append("never-scheduled", False, [[]], [1], 3, [])
     with pytest.raises(KeyError, match="never-scheduled"):  # raised in the worker, raised again here
         llm.engine.core.executor.execute_model(SchedulerOutput(scheduled_cached_reqs=unknown,
                                                                num_scheduled_tokens={"never-scheduled": 1},

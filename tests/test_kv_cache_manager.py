@@ -69,14 +69,14 @@ def test_allocation_fails_without_side_effects():
 def test_prefix_hits_never_cover_last_token_and_share_blocks():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
     first = make_request("a", list(range(12)))
-    assert kv.get_computed_blocks(first) == ([], 0)
+    assert kv.get_computed_blocks(first) == ([[]], 0)
     assert kv.allocate_slots(first, 12)
     # Same 12 tokens: only 2 of 3 full blocks may hit, so the last token is computed.
     second = make_request("b", list(range(12)))
     blocks, hit = kv.get_computed_blocks(second)
-    assert hit == 8 and [b.block_id for b in blocks] == kv.get_block_ids(first)[:2]
+    assert hit == 8 and [[b.block_id for b in group] for group in blocks] == [kv.get_block_ids(first)[:2]]
     assert kv.allocate_slots(second, 4, blocks)
-    assert [b.ref_cnt for b in kv.req_blocks["a"]] == [2, 2, 1]
+    assert [[b.ref_cnt for b in table] for table in kv.req_blocks["a"]] == [[2, 2, 1]]
     # A different second block stops the chain after one block.
     third = make_request("c", [0, 1, 2, 3, 9, 9, 9, 9, 1])
     assert kv.get_computed_blocks(third)[1] == 4
@@ -91,7 +91,7 @@ def test_prompt_logprobs_requests_get_no_hits():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     a = make_request("a", list(range(9)))
     assert kv.allocate_slots(a, 9)
-    assert kv.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1)) == ([[]], 0)
 
 
 def test_null_block_is_never_handed_out_cached_or_freed():
@@ -107,7 +107,7 @@ def test_null_block_is_never_handed_out_cached_or_freed():
     with pytest.raises(ValueError, match="num_blocks must be >= 2"):
         BlockPool(1, enable_caching=False, null_block=True)
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
-        KVCacheManager(4, 4, enable_caching=False, sliding_window=0)
+        KVCacheManager(4, 4, enable_caching=False, sliding_windows=(0,))
 
 
 def _decode(kv: KVCacheManager, req: Request, token: int = 3) -> None:
@@ -120,7 +120,7 @@ def _decode(kv: KVCacheManager, req: Request, token: int = 3) -> None:
 def test_sliding_window_frees_blocks_behind_the_window_as_a_request_decodes():
     """Window 8, blocks of 4: after ``c`` computed tokens the next token sees keys from ``c - 7`` on, so the first
     ``(c - 7) // 4`` blocks are freed (still cached) and null in the table."""
-    kv = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, sliding_window=8)
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True, sliding_windows=(8,))
     assert kv.num_free_blocks == 11  # block 0 is the null block
     req = make_request("a", list(range(1, 11)))
     assert kv.allocate_slots(req, 10)
@@ -145,7 +145,7 @@ def test_sliding_window_frees_blocks_behind_the_window_as_a_request_decodes():
 
 def test_sliding_window_lets_a_request_outgrow_the_cache():
     """Five usable blocks (20 slots) carry a 60-token request: it never holds more than 3 at once."""
-    kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False, sliding_window=8)
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False, sliding_windows=(8,))
     req = make_request("a", list(range(1, 9)))
     assert kv.allocate_slots(req, 8)
     while req.num_tokens < 60:
@@ -166,7 +166,7 @@ def test_sliding_window_lets_a_request_outgrow_the_cache():
 def test_sliding_window_prefix_hit_needs_only_the_blocks_the_window_sees():
     """The first two blocks of a cached prefix are evicted; a hit on the whole prefix needs only its last
     ceil((8 - 1) / 4) = 2 blocks, the others null; full-prefix lookup would find nothing."""
-    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, sliding_window=8)
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, sliding_windows=(8,))
     prompt = list(range(1, 25))
     a = make_request("a", prompt)
     assert kv.allocate_slots(a, 24)
@@ -179,13 +179,13 @@ def test_sliding_window_prefix_hit_needs_only_the_blocks_the_window_sees():
     assert kv.pool.get_cached_block(a.block_hashes[0]) is None
     b = make_request("b", prompt + [99])
     blocks, hit = kv.get_computed_blocks(b)
-    assert hit == 24 and [blk.block_id for blk in blocks] == [0, 0, 0, 0, 5, 6]
+    assert hit == 24 and [[blk.block_id for blk in group] for group in blocks] == [[0, 0, 0, 0, 5, 6]]
     assert kv.allocate_slots(b, 1, blocks)
     assert kv.get_block_ids(b) == [0, 0, 0, 0, 5, 6, 3] and kv.num_null_blocks(b) == 4
     assert [kv.pool.blocks[i].ref_cnt for i in (5, 6)] == [2, 2] and kv.num_free_blocks == 1  # id 4 left
     # Only the first block cached: the run from the first block is the hit (shorter than the window's 2 blocks).
-    kv2 = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, sliding_window=8)
+    kv2 = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, sliding_windows=(8,))
     c = make_request("c", [7, 7, 7, 7, 1])
     assert kv2.allocate_slots(c, 5)
     blocks, hit = kv2.get_computed_blocks(make_request("d", [7, 7, 7, 7, 2, 2, 2, 2, 2]))
-    assert hit == 4 and [blk.block_id for blk in blocks] == [1]
+    assert hit == 4 and [[blk.block_id for blk in group] for group in blocks] == [[1]]

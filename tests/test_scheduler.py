@@ -164,7 +164,7 @@ def test_sliding_window_frees_blocks_and_the_runner_table_points_at_the_null_blo
     """Window 8, blocks of 4, 8-token chunks: a 20-token prompt's blocks behind ``computed - 7`` are freed as it
     prefills and decodes; the runner's table (kept from the step data alone) equals the manager's, null blocks
     (id 0) included."""
-    kv = KVCacheManager(16, 4, enable_caching=True, sliding_window=8)
+    kv = KVCacheManager(16, 4, enable_caching=True, sliding_windows=(8,))
     s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
     a = req("a", 20, max_tokens=12)
     s.add_request(a)
@@ -175,7 +175,7 @@ def test_sliding_window_frees_blocks_and_the_runner_table_points_at_the_null_blo
         out, _ = run_step(s)
         _apply_to_runner(states, out)
         if not a.is_finished:
-            assert states["a"].block_ids == kv.get_block_ids(a)
+            assert states["a"].block_ids == [kv.get_block_ids(a)]
             assert kv.num_null_blocks(a) == max(0, computed - 7) // 4
             nulls.append(kv.num_null_blocks(a))
             held.append(kv.num_blocks(a) - nulls[-1])
@@ -190,7 +190,7 @@ def test_sliding_window_preemption_and_resume_keep_tables_exact():
     30-token prompt in 7-token chunks. Each chunk that outgrows the pool preempts the prompt, whose next admission
     finds its computed chunks in the prefix cache behind null blocks (the window's hit), so it still advances; the
     runner's tables (kept from the step data alone) equal the manager's throughout."""
-    kv = KVCacheManager(7, 4, enable_caching=True, sliding_window=8)
+    kv = KVCacheManager(7, 4, enable_caching=True, sliding_windows=(8,))
     s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
     a = Request("a", list(range(1, 6)), SamplingParams(max_tokens=30), None)
     b = Request("b", list(range(50, 80)), SamplingParams(max_tokens=5), None)
@@ -205,8 +205,8 @@ def test_sliding_window_preemption_and_resume_keep_tables_exact():
         resumed_nulls += [n for r, n in zip(cached.resumed_from_preemption, cached.num_null_blocks, strict=True) if r]
         for r in (a, b):
             if r.request_id in out.num_scheduled_tokens and not r.is_finished:
-                assert states[r.request_id].block_ids == kv.get_block_ids(r)
+                assert states[r.request_id].block_ids == [kv.get_block_ids(r)]
                 assert kv.num_blocks(r) - kv.num_null_blocks(r) <= 5  # 1 + ceil((8 + 8 - 2) / 4)
-    assert s.num_preemptions == 6 and resumed_nulls == [0, 1, 2, 3, 4, 5]
+    assert s.num_preemptions == 6 and resumed_nulls == [[0], [1], [2], [3], [4], [5]]
     assert (a.num_tokens, a.num_output_tokens, b.num_output_tokens) == (35, 30, 5)
     assert kv.num_free_blocks == 6

@@ -74,8 +74,9 @@ def test_window_arithmetic_and_report():
         "sliding window 64 on 2/2 attention layers: every block is kept (the window spans max_model_len), up to 16 "
         "(0.02 MiB) a request at max_model_len 64")
     assert describe_sliding_windows([8, None, 8, None], None, 16, 2**20, 4096, 1, 512) == (
-        "sliding window 8 on 2/4 attention layers: every block is kept (a hybrid model: its other layers attend to "
-        "the whole context), up to 256 (256.00 MiB) a request at max_model_len 4096")
+        "sliding window 8 on 2/4 attention layers: every block is kept (a hybrid model with one block table: a KV "
+        "connector, a draft model, pipeline stages or CUDA graphs (--enforce-eager gives it KV-cache groups)), up to "
+        "256 (256.00 MiB) a request at max_model_len 4096")
     assert describe_sliding_windows([4096] * 32, None, 16, 2**21, 32768, 1, 2048) == (
         "sliding window 4096 on 32/32 attention layers: blocks behind the window are freed; a decoding request "
         "holds at most 257 blocks (514.00 MiB), one computing 2048 tokens a step (a prefill chunk) at most 385 "
@@ -115,7 +116,7 @@ def test_greedy_matches_hf_past_several_windows(mistral, backend, caplog):
         assert ("KV cache: sliding window 8 on 2/2 attention layers: blocks behind the window are freed; a decoding "
                 "request holds at most 3 blocks (0.01 MiB), one computing 16 tokens a step (a prefill chunk) at most "
                 "7 (0.03 MiB), instead of up to 32 (0.12 MiB) at max_model_len 128") in caplog.text
-        assert llm.engine.core.kv.sliding_window == 8
+        assert llm.engine.core.kv.sliding_windows == (8,)
         got = [llm.generate([prompts[0]], _greedy(30), use_tqdm=False)[0].outputs[0].token_ids]
         outs = llm.generate(prompts[1:], _greedy(30), use_tqdm=False)
         got += [o.outputs[0].token_ids for o in outs]
@@ -142,7 +143,8 @@ def test_a_request_longer_than_the_cache_completes(mistral, backend):
     kwargs = {"dtype": "float32", "max_model_len": 128, "block_size": 4, "max_num_batched_tokens": 8,
               "enable_prefix_caching": True, "skip_tokenizer_init": True, "attention_backend": backend}
     with pytest.raises(ValueError, match=r"the KV cache has 4 blocks besides the null block, fewer than the 5 that "
-                                         r"one request may hold at once with sliding window 8"):
+                                         r"one request may hold at once with sliding windows \[8\] \(one per KV-cache "
+                                         r"group"):
         LLM(str(path), num_gpu_blocks_override=5, **kwargs)
     llm = LLM(str(path), num_gpu_blocks_override=8, **kwargs)
     try:
@@ -174,7 +176,7 @@ def test_a_kv_connector_keeps_every_block(mistral, tmp_path, caplog):
     try:
         assert ("sliding window 8 on 2/2 attention layers: every block is kept (the KV connector OffloadingConnector "
                 "reads whole block tables), up to 32 (0.12 MiB) a request at max_model_len 128") in caplog.text
-        assert llm.engine.core.kv.sliding_window is None and llm.engine.core.kv.pool.null_block is None
+        assert llm.engine.core.kv.sliding_windows == (None,) and llm.engine.core.kv.pool.null_block is None
         assert llm.generate([prompt], _greedy(30), use_tqdm=False)[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 30)
     finally:
         llm.shutdown()
@@ -193,7 +195,7 @@ def test_two_pipeline_stages_report_their_windows_and_blocks_are_freed(mistral):
               pipeline_parallel_size=2)
     try:
         core = llm.engine.core
-        assert core.info.sliding_windows == (8, 8) and core.kv.sliding_window == 8
+        assert core.info.sliding_windows == (8, 8) and core.kv.sliding_windows == (8,)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(40), use_tqdm=False)] == want
         assert core.stats.num_preemptions == 0  # keeping every block, one would be preempted
         assert core.kv.num_free_blocks == 32
@@ -216,7 +218,8 @@ def test_speculative_decoding_past_the_window(mistral, method):
               speculative_config=spec)
     try:
         core = llm.engine.core
-        assert core.kv.sliding_window == 8 and len(core.info.sliding_windows) == (4 if method == "draft_model" else 2)
+        assert core.kv.sliding_windows == (8,)
+        assert len(core.info.sliding_windows) == (4 if method == "draft_model" else 2)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(50), use_tqdm=False)] == want
         assert core.stats.spec_decode.num_accepted_tokens > 0 and core.kv.num_free_blocks == 11
     finally:

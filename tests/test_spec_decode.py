@@ -107,7 +107,7 @@ def test_rejected_drafts_roll_back_and_free_their_blocks():
     # appends the new one
     cached = out.scheduled_cached_reqs
     assert (cached.num_blocks, cached.new_block_ids, cached.num_computed_tokens) == (
-        [4], [kv.get_block_ids(request)[3:]], [9])
+        [[4]], [[kv.get_block_ids(request)[3:]]], [9])
     scheduler.update_from_output(out, sampled({"r": [1, 2, 3, 4, 8]}))  # all accepted, plus a bonus token
     assert (request.num_computed_tokens, request.num_tokens) == (14, 15)
     assert request.output_token_ids == [50, 60, 70, 1, 2, 3, 4, 8]

@@ -58,7 +58,7 @@ def test_two_ranks_match_one(tiny_llama_dir):
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 40
         # one rank raising leaves the others' collectives out of step: fatal, and later steps are refused
         unknown = CachedRequestData()
-        unknown.append("never-scheduled", False, [], 1, 3, [])
+        unknown.append("never-scheduled", False, [[]], [1], 3, [])
         bad = SchedulerOutput(scheduled_cached_reqs=unknown, num_scheduled_tokens={"never-scheduled": 1},
                               total_num_scheduled_tokens=1)
         with pytest.raises(WorkerDiedError, match=r"failed \(KeyError: 'never-scheduled'\); the model.s ranks"):

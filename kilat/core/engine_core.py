@@ -14,7 +14,12 @@ from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import EngineCoreRequest, Request, RequestStatus
 from kilat.core.scheduler import Scheduler
 from kilat.core.scheduler_output import SchedulerOutput
-from kilat.core.sliding_window import describe_sliding_windows, kv_sliding_window, max_blocks_per_request
+from kilat.core.sliding_window import (
+    describe_kv_cache_groups,
+    describe_sliding_windows,
+    kv_sliding_window,
+    max_blocks_per_request,
+)
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.executor import get_executor_class
 from kilat.executor.abstract import WorkerDiedError
@@ -103,7 +108,7 @@ class EngineCore:
         self.connector = create_kv_connector(config, KVConnectorRole.SCHEDULER, KVCacheSpec(
             info.num_blocks, config.cache.block_size, info.bytes_per_block, info.dtype, info.kv_cache_dtype))
         self.kv = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 self._sliding_window())
+                                 self._kv_cache_windows())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.num_lookahead_tokens,
                                    self.executor.max_concurrent_batches, self.connector)
         self.stats = EngineStats()
@@ -115,6 +120,21 @@ class EngineCore:
                     "%d bytes per block)", info.num_blocks, config.cache.block_size,
                     info.num_blocks * config.cache.block_size, self.max_model_len,
                     config.cache.kv_cache_dtype, info.kv_cache_dtype, info.bytes_per_block)
+
+    def _kv_cache_windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's window for the KV cache manager: the runner's groups of a hybrid model (several:
+        it planned them with no KV connector, draft model or pipeline stages), else one group with
+        :meth:`_sliding_window`'s. Logs the saving."""
+        info, config = self.info, self.config
+        groups = info.kv_cache_groups
+        if len(groups) <= 1:
+            return (self._sliding_window(),)
+        spec = config.speculative
+        decode_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0) + info.num_lookahead_tokens
+        logger.info("KV cache: %s", describe_kv_cache_groups(
+            groups, config.cache.block_size, info.bytes_per_block, self.max_model_len, decode_tokens,
+            config.scheduler.max_num_batched_tokens + info.num_lookahead_tokens))
+        return tuple(g.sliding_window for g in groups)
 
     def _sliding_window(self) -> int | None:
         """The window by which the KV cache manager frees requests' blocks (:mod:`kilat.core.sliding_window`), or

@@ -81,7 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
         self.in_flight: set[str] = set()  # requests of steps sent whose output has not come back (module docs)
-        self._num_sent_blocks: dict[str, int] = {}  # request id → block ids the runner holds for it
+        self._num_sent_blocks: dict[str, list[int]] = {}  # request id → block ids the runner holds, per group
         self._num_sent_tokens: dict[str, int] = {}  # request id → tokens the runner was sent (prompt included)
 
     @property
@@ -276,7 +276,7 @@ class Scheduler:
             request.metrics.num_cached_tokens = num_hit
             request.metrics.first_scheduled_time = time.time()
 
-    def _load_external(self, request: Request, computed_blocks: list[KVBlock], num_hit: int) -> bool:
+    def _load_external(self, request: Request, computed_blocks: list[list[KVBlock]], num_hit: int) -> bool:
         """Ask the connector for the prompt's blocks after the local hit; when it has some, allocate them (outside
         the prefix cache until they arrive), park the request until they are loaded and return True (False: no
         connector, a request that does not use the prefix cache, nothing to load, too many requests, or no room;
@@ -343,15 +343,16 @@ class Scheduler:
             if request.spec_token_ids:
                 out.scheduled_spec_decode_tokens[rid] = list(request.spec_token_ids)
             num_sent = self._num_sent_blocks.get(rid)
-            new_blocks = self.kv.get_block_ids(request, num_sent or 0)
-            num_blocks = (num_sent or 0) + len(new_blocks)
+            groups = range(self.kv.num_groups)
+            new_blocks = [self.kv.get_block_ids(request, num_sent[g] if num_sent else 0, g) for g in groups]
+            num_blocks = [(num_sent[g] if num_sent else 0) + len(new_blocks[g]) for g in groups]
             self._num_sent_blocks[rid] = num_blocks
             num_sent_tokens = self._num_sent_tokens.get(rid, request.num_prompt_tokens)
             self._num_sent_tokens[rid] = request.num_tokens
             if num_sent is not None or rid in resumed:
                 out.scheduled_cached_reqs.append(rid, rid in resumed, new_blocks, num_blocks,
                                                  request.num_computed_tokens, request.all_token_ids[num_sent_tokens:],
-                                                 self.kv.num_null_blocks(request))
+                                                 [self.kv.num_null_blocks(request, g) for g in groups])
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params, request.eos_token_id, request.index,
@@ -395,6 +396,7 @@ class Scheduler:
                 continue
             if num_drafts:
                 self.kv.free_tail(request, request.num_tokens + self.num_lookahead_tokens)
-                self._num_sent_blocks[rid] = min(self._num_sent_blocks[rid], self.kv.num_blocks(request))
+                self._num_sent_blocks[rid] = [min(n, self.kv.num_blocks(request, g))
+                                              for g, n in enumerate(self._num_sent_blocks[rid])]
             request.spec_token_ids = result.spec_token_ids.get(rid, [])
         return finished

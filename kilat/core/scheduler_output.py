@@ -31,8 +31,9 @@ class NewRequestData:
         sampling_params: its parameters (``max_tokens`` resolved).
         eos_token_id: the model's EOS id, or ``None``.
         index: which of its parent's ``n`` completions it is (a seeded generator starts at ``seed + index``).
-        block_ids: its KV block ids in token order, prefix-cache hits first (led by null blocks where a sliding
-            window's hit starts after the first block).
+        block_ids: its KV block ids in token order, one list per KV-cache group
+            (:mod:`kilat.core.kv_cache_groups`; vLLM's tuple of per-group lists), prefix-cache hits first (led by
+            null blocks where a sliding window's hit starts after the first block).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
     """
 
@@ -41,14 +42,14 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     index: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
 
 
 @dataclass
 class CachedRequestData:
     """What changed since the last step for the scheduled requests the runner already holds (columns, one entry
-    per request).
+    per request; block fields hold one value per KV-cache group).
 
     Attributes:
         req_ids: the requests.
@@ -69,14 +70,14 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
-    num_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)
+    num_blocks: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    num_null_blocks: list[int] = field(default_factory=list)
+    num_null_blocks: list[list[int]] = field(default_factory=list)
 
-    def append(self, req_id: str, resumed: bool, new_block_ids: list[int], num_blocks: int,
-               num_computed_tokens: int, new_token_ids: list[int], num_null_blocks: int = 0) -> None:
+    def append(self, req_id: str, resumed: bool, new_block_ids: list[list[int]], num_blocks: list[int],
+               num_computed_tokens: int, new_token_ids: list[int], num_null_blocks: list[int] | None = None) -> None:
         """Add one request's row."""
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed)
@@ -84,7 +85,7 @@ class CachedRequestData:
         self.num_blocks.append(num_blocks)
         self.num_computed_tokens.append(num_computed_tokens)
         self.new_token_ids.append(new_token_ids)
-        self.num_null_blocks.append(num_null_blocks)
+        self.num_null_blocks.append(num_null_blocks if num_null_blocks is not None else [0] * len(num_blocks))
 
 
 @dataclass

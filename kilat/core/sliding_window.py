@@ -5,13 +5,17 @@ With a window ``w`` the token at position ``p`` sees keys ``p - w < j <= p`` (Mi
 every attention layer has a window, a request's blocks that lie wholly before ``num_computed_tokens - w + 1`` hold
 no key any later token sees, and the KV cache manager frees them (:class:`~kilat.core.kv_cache_manager.
 KVCacheManager`; vLLM's sliding-window KV cache manager). A model with some layers of full attention (hybrid: Qwen2
-with ``max_window_layers``, Gemma 2/3) keeps every block: freeing the sliding layers' blocks alone needs a block
-table per group of layers (vLLM's hybrid KV cache manager), which kilat does not have.
+with ``max_window_layers``, Gemma 2/3, GPT-OSS) gets a block table per group of layers instead
+(:mod:`kilat.core.kv_cache_groups`), and its sliding groups free their blocks in the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kilat.core.kv_cache_groups import KVCacheGroup
 
 
 def kv_sliding_window(windows: Sequence[int | None], max_model_len: int) -> int | None:
@@ -69,7 +73,8 @@ def describe_sliding_windows(windows: Sequence[int | None], kept_because: str | 
         return f"{blocks * bytes_per_block / 2**20:.2f} MiB"
 
     if window is None or kept_because is not None:
-        reason = kept_because or ("a hybrid model: its other layers attend to the whole context"
+        reason = kept_because or ("a hybrid model with one block table: a KV connector, a draft model, pipeline "
+                                  "stages or CUDA graphs (--enforce-eager gives it KV-cache groups)"
                                   if len(sliding) < len(windows) else "the window spans max_model_len")
         return f"{head}: every block is kept ({reason}), up to {full} ({mib(full)}) a request at max_model_len " \
                f"{max_model_len}"
@@ -78,3 +83,28 @@ def describe_sliding_windows(windows: Sequence[int | None], kept_because: str | 
     return (f"{head}: blocks behind the window are freed; a decoding request holds at most {decode} blocks "
             f"({mib(decode)}), one computing {step_tokens} tokens a step (a prefill chunk) at most {chunk} "
             f"({mib(chunk)}), instead of up to {full} ({mib(full)}) at max_model_len {max_model_len}")
+
+
+def describe_kv_cache_groups(groups: Sequence[KVCacheGroup], block_size: int, bytes_per_block: int,
+                             max_model_len: int, decode_tokens: int, step_tokens: int) -> str:
+    """The start-up report of a hybrid model's KV-cache groups: their windows, and how many blocks (MiB) a request
+    holds at most while decoding (``decode_tokens`` slots a step) and in its largest step (``step_tokens``), over all
+    groups, against one block table for every layer at ``max_model_len`` (what the model would hold without groups).
+    ``bytes_per_block``: one block id's bytes, over the shared cache tensors (the largest group's layers)."""
+    tensors = max(len(g.layers) for g in groups)
+    num_layers = sum(len(g.layers) for g in groups)
+    windows = [g.sliding_window for g in groups]
+    sliding = sorted({w for w in windows if w is not None})
+    full = max_blocks_per_request(max_model_len, block_size, None, 1)
+    decode = sum(max_blocks_per_request(max_model_len, block_size, w, decode_tokens) for w in windows)
+    chunk = sum(max_blocks_per_request(max_model_len, block_size, w, step_tokens) for w in windows)
+
+    def mib(nbytes: float) -> str:
+        return f"{nbytes / 2**20:.2f} MiB"
+
+    return (f"{len(groups)} KV-cache groups of up to {tensors} layers ({windows.count(None)} of full attention, "
+            f"{len(windows) - windows.count(None)} with sliding window {'/'.join(map(str, sliding))}), one block "
+            f"table each; a decoding request holds at most {decode} blocks ({mib(decode * bytes_per_block)}), one "
+            f"computing {step_tokens} tokens a step at most {chunk} ({mib(chunk * bytes_per_block)}), instead of "
+            f"{full} blocks of all {num_layers} layers ({mib(full * bytes_per_block * num_layers / tensors)}) at "
+            f"max_model_len {max_model_len}")

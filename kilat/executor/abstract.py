@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kilat.config import EngineConfig
+from kilat.core.kv_cache_groups import KVCacheGroup
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -32,6 +33,8 @@ class WorkerInfo:
             model's cache included).
         sliding_windows: the attention window of each KV cache (``None``: full attention): each pipeline stage's
             layers then its draft model's, in stage order (:func:`~kilat.core.sliding_window.kv_sliding_window`).
+        kv_cache_groups: the output rank's KV-cache groups (:mod:`kilat.core.kv_cache_groups`): several only for a
+            hybrid model on one pipeline stage (every rank then plans the same ones).
     """
 
     hf_config: Any
@@ -44,6 +47,7 @@ class WorkerInfo:
     kv_cache_dtype: str
     bytes_per_block: int
     sliding_windows: tuple[int | None, ...] = ()
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
 
 def combine_infos(infos: list[WorkerInfo], parallel: Any) -> WorkerInfo:

@@ -67,7 +67,8 @@ class Worker:
                           max_model_len=runner.max_model_len,
                           num_blocks=runner.num_blocks, num_lookahead_tokens=runner.num_lookahead_tokens,
                           kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
-                          bytes_per_block=runner.bytes_per_block, sliding_windows=runner.sliding_windows)
+                          bytes_per_block=runner.bytes_per_block, sliding_windows=runner.sliding_windows,
+                          kv_cache_groups=runner.kv_cache_groups)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (:meth:`ModelRunner.execute`)."""

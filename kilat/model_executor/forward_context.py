@@ -7,7 +7,7 @@ that model code never carries batching details in its signatures (the pattern of
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,9 @@ class ForwardContext:
             (:mod:`kilat.model_executor.layers.triton_ops`) instead of their torch formulas.
         kv_scales: for an int8/fp8 cache, one float32 ``[2, num_blocks, block_size, num_kv_heads]`` tensor per
             layer (:mod:`kilat.model_executor.attention.kv_cache`); ``None`` for a cache in the model dtype.
+        group_metadata: with several KV-cache groups (:mod:`kilat.core.kv_cache_groups`), each group's metadata
+            (its own block table and slot mapping; :attr:`attn_metadata` is group 0's), else ``None``.
+        layer_groups: with ``group_metadata``, the group of each KV cache index.
     """
 
     attn_metadata: AttentionMetadata
@@ -42,7 +45,10 @@ class ForwardContext:
     backend: AttentionBackend | None = None
     fused_kernels: bool = False
     kv_scales: list[torch.Tensor] | None = None
+    group_metadata: list[AttentionMetadata] | None = None
+    layer_groups: Sequence[int] | None = None
     _backend_metadata: Any = field(default=None, init=False, repr=False)
+    _group_backend_metadata: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _step_plans: StepPlans | None = field(default=None, init=False, repr=False)
 
     @property
@@ -61,6 +67,16 @@ class ForwardContext:
         if self._backend_metadata is None:
             self._backend_metadata = self.attn_backend.build_metadata(self.attn_metadata)
         return self._backend_metadata
+
+    def metadata_for(self, layer_idx: int) -> tuple[AttentionMetadata, Any]:
+        """The common and backend metadata of the KV cache ``layer_idx`` reads: its KV-cache group's (each built
+        once per step), or the step's only ones."""
+        if self.group_metadata is None or self.layer_groups is None:
+            return self.attn_metadata, self.backend_metadata
+        group = self.layer_groups[layer_idx]
+        if group not in self._group_backend_metadata:
+            self._group_backend_metadata[group] = self.attn_backend.build_metadata(self.group_metadata[group])
+        return self.group_metadata[group], self._group_backend_metadata[group]
 
     @property
     def step_plans(self) -> StepPlans:

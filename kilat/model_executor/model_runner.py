@@ -18,8 +18,9 @@ import logging
 import torch
 
 from kilat.config import EngineConfig
+from kilat.core.kv_cache_groups import layer_placement, num_kv_tensors, plan_kv_cache_groups
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kilat.core.sliding_window import kv_sliding_window, max_blocks_per_request
+from kilat.core.sliding_window import max_blocks_per_request
 from kilat.distributed.parallel_state import get_pp_group, recv_from_prev_stage, send_to_next_stage
 from kilat.kv_connector.base import KVCacheSpec, KVConnectorRole, create_kv_connector
 from kilat.model_executor.attention import (
@@ -61,7 +62,11 @@ class ModelRunner:
         bytes_per_block: bytes one KV block takes over all layers, scales and the draft model's cache included.
         sliding_windows: each KV cache's attention window (``None``: full attention), this stage's target layers
             then the draft model's (what the engine core's KV cache manager frees blocks by).
-        kv_caches, kv_scales: the KV cache tensors and, for int8/fp8, their scales (else ``None``), one per layer.
+        kv_cache_groups: the layers that share a block table (:mod:`kilat.core.kv_cache_groups`): several for a
+            hybrid model (sliding and full layers) without a KV connector, draft model or pipeline stages.
+        layer_groups: the KV-cache group of each KV cache index.
+        kv_caches, kv_scales: the KV cache tensors and, for int8/fp8, their scales (else ``None``), one per layer
+            (with several KV-cache groups the layers at one position of every group share a tensor).
         attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
         cuda_graphs: the captured decode graphs, or ``None`` (CPU, ``enforce_eager``, ungraphable backend).
@@ -93,10 +98,18 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.draft_model = self._load_draft_model()
-        self.bytes_per_block = sum(m.num_layers * block_size * m.kv_spec.bytes_per_token(self.kv_cache_dtype)
-                                   for m in (self.model, self.draft_model) if m is not None)
         self.sliding_windows = tuple(w for m in (self.model, self.draft_model) if m is not None
                                      for w in attention_windows(m, m.num_layers))
+        graphable = self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager \
+            and self.pp.world_size == 1 and isinstance(self.model.kv_spec, FullAttentionSpec)  # MLA: eager
+        # KV-cache groups need one table per group in every kernel's metadata: not with a KV connector, a draft
+        # model or pipeline stages, nor (yet) in captured CUDA graphs, which a hybrid model keeps by default
+        hybrid = self.draft_model is None and self.pp.world_size == 1 and config.kv_connector_name is None \
+            and isinstance(self.model.kv_spec, FullAttentionSpec) and not graphable
+        self.kv_cache_groups = plan_kv_cache_groups(self.sliding_windows, self.max_model_len, hybrid)
+        self.layer_groups, self._layer_tensor = layer_placement(self.kv_cache_groups)
+        self.bytes_per_block = sum(self._num_kv_tensors(m) * block_size * m.kv_spec.bytes_per_token(self.kv_cache_dtype)
+                                   for m in (self.model, self.draft_model) if m is not None)
         self.num_blocks = self._num_blocks(self.bytes_per_block)
         self._check_capacity()
         if not config.scheduler.enable_chunked_prefill and \
@@ -108,8 +121,7 @@ class ModelRunner:
             self._allocate_kv(self.draft_model, self.num_blocks)
         self.sampler = Sampler()
         self.cuda_graphs = None
-        if self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager \
-                and self.pp.world_size == 1 and isinstance(self.model.kv_spec, FullAttentionSpec):  # MLA: eager
+        if graphable:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_caches, self.attn_backend, self.fused_kernels,
                                                block_size, self.max_model_len, config.scheduler.max_num_seqs,
                                                self.device, self.kv_scales)
@@ -124,33 +136,42 @@ class ModelRunner:
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
-        logger.info("KV cache: %d bytes per token, %d layers of %s", self.bytes_per_block // block_size,
-                    self.model.num_layers, self.model.kv_spec)
+        logger.info("KV cache: %d bytes per token, %d layers of %s%s", self.bytes_per_block // block_size,
+                    self.model.num_layers, self.model.kv_spec,
+                    f"; {len(self.kv_cache_groups)} KV-cache groups sharing {num_kv_tensors(self.kv_cache_groups)} "
+                    f"cache tensor(s)" if len(self.kv_cache_groups) > 1 else "")
+
+    def _num_kv_tensors(self, model: torch.nn.Module) -> int:
+        """Cache tensors ``model`` needs: one per layer, or with several KV-cache groups the largest group's size."""
+        return num_kv_tensors(self.kv_cache_groups) if model is self.model and len(self.kv_cache_groups) > 1 \
+            else model.num_layers
 
     def _check_capacity(self) -> None:
-        """Refuse a KV cache too small for one request: ``max_model_len`` tokens, or, where the engine core frees
-        blocks behind a sliding window (every layer has one, no KV connector, one pipeline stage: a stage does not
-        see the others' layers), the most blocks a request then holds at once, besides the null block.
+        """Refuse a KV cache too small for one request: ``max_model_len`` tokens in each KV-cache group, or, where
+        the engine core frees blocks behind a sliding window (every layer of a group has one, no KV connector, one
+        pipeline stage: a stage does not see the others' layers), the most blocks a request then holds at once in
+        that group, besides the null block.
 
         Raises:
             ValueError: too few blocks.
         """
         config = self.config
-        window = kv_sliding_window(self.sliding_windows, self.max_model_len) \
-            if config.kv_connector_name is None and self.pp.world_size == 1 else None
+        windows = [g.sliding_window for g in self.kv_cache_groups]
+        if len(windows) == 1 and (config.kv_connector_name is not None or self.pp.world_size > 1):
+            windows = [None]
         lookahead = config.speculative.num_speculative_tokens if self.draft_model is not None else 0
-        needed = max_blocks_per_request(self.max_model_len, self.block_size, window,
-                                        config.scheduler.max_num_batched_tokens + lookahead)
-        usable = self.num_blocks - (window is not None)
+        needed = sum(max_blocks_per_request(self.max_model_len, self.block_size, window,
+                                            config.scheduler.max_num_batched_tokens + lookahead) for window in windows)
+        usable = self.num_blocks - any(w is not None for w in windows)
         if usable >= needed:
             return
-        if window is None:
+        if windows == [None]:
             raise ValueError(f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
                              f"blocks), fewer than max_model_len ({self.max_model_len}); raise kv_cache_memory / "
                              f"gpu_memory_utilization or lower max_model_len")
         raise ValueError(f"the KV cache has {usable} blocks besides the null block, fewer than the {needed} that one "
-                         f"request may hold at once with sliding window {window} (max_num_batched_tokens "
-                         f"{config.scheduler.max_num_batched_tokens}); raise kv_cache_memory / "
+                         f"request may hold at once with sliding windows {windows} (one per KV-cache group; "
+                         f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}); raise kv_cache_memory / "
                          f"gpu_memory_utilization or lower max_num_batched_tokens")
 
     @property
@@ -171,9 +192,15 @@ class ModelRunner:
 
     def _allocate_kv(self, model: torch.nn.Module, num_blocks: int
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """``model``'s KV cache of ``num_blocks`` blocks in :attr:`kv_cache_dtype`, and its scales (or ``None``)."""
-        return allocate_kv_cache(model.kv_spec, model.num_layers, num_blocks, self.block_size, self.kv_cache_dtype,
-                                 self.device, self.attn_backend.kv_cache_shape)
+        """``model``'s KV cache of ``num_blocks`` blocks in :attr:`kv_cache_dtype`, and its scales (or ``None``), one
+        entry per layer: with several KV-cache groups, layer ``i`` gets the shared tensor of its position in its
+        group."""
+        caches, scales = allocate_kv_cache(model.kv_spec, self._num_kv_tensors(model), num_blocks, self.block_size,
+                                           self.kv_cache_dtype, self.device, self.attn_backend.kv_cache_shape)
+        if model is not self.model or len(self.kv_cache_groups) == 1:
+            return caches, scales
+        return [caches[t] for t in self._layer_tensor], None if scales is None else [scales[t]
+                                                                                   for t in self._layer_tensor]
 
     def _load_draft_model(self) -> torch.nn.Module | None:
         """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.
@@ -313,14 +340,18 @@ class ModelRunner:
 
         graphs = self.cuda_graphs
         if graphs is not None and len(input_ids) == len(query_lens) <= graphs.max_batch_size:
-            hidden = graphs.run(input_ids, positions, seq_lens, block_tables)
+            hidden = graphs.run(input_ids, positions, seq_lens, [tables[0] for tables in block_tables])
         else:
-            meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+            metas = [AttentionMetadata.build(query_lens, seq_lens, [tables[g] for tables in block_tables],
+                                             self.block_size, self.device) for g in range(len(self.kv_cache_groups))]
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
             intermediate = None if self.pp.is_first else recv_from_prev_stage(
                 (2, len(input_ids), self.hf_config.hidden_size), self.dtype, self.device)
-            with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
+            context = self.context(metas[0], self.kv_caches, self.kv_scales)
+            if len(metas) > 1:
+                context.group_metadata, context.layer_groups = metas, self.layer_groups
+            with set_forward_context(context):
                 hidden = self.model(ids_t, pos_t, intermediate)
         if not self.pp.is_last:
             send_to_next_stage(hidden)

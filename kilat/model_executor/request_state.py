@@ -27,8 +27,9 @@ class CachedRequestState(TokenSequence):
         all_token_ids: prompt then output tokens.
         max_tokens: ``sampling_params.max_tokens``.
         generator: a CPU generator seeded with ``seed + index`` when the request has a seed, else ``None``.
-        block_ids: its KV block table (entries its sliding window left behind are the null block).
-        num_null_blocks: leading entries of ``block_ids`` known to be the null block.
+        block_ids: its KV block table of each KV-cache group (entries a sliding window left behind are the null
+            block).
+        num_null_blocks: leading entries of each group's table known to be the null block.
         num_computed_tokens: positions whose target KV is computed.
         spec_token_ids: the drafts to verify this step, or (after the step) those proposed for the next.
         spec_probs: float32 ``[len(spec_token_ids), V]``, the draft model's ``q`` for random drafts, else ``None``.
@@ -49,8 +50,8 @@ class CachedRequestState(TokenSequence):
         if new.sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(new.sampling_params.seed + new.index)
-        self.block_ids = list(new.block_ids)
-        self.num_null_blocks = 0
+        self.block_ids = [list(table) for table in new.block_ids]
+        self.num_null_blocks = [0] * len(self.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
@@ -60,21 +61,21 @@ class CachedRequestState(TokenSequence):
     def update(self, cached: CachedRequestData, i: int, append_new_tokens: bool = False) -> None:
         """Apply row ``i`` of ``cached`` (this request's changes since its last step); with ``append_new_tokens``
         (a pipeline stage that does not sample) also record the tokens sampled since."""
-        new_blocks = cached.new_block_ids[i]
         self.num_computed_tokens = cached.num_computed_tokens[i]
         if append_new_tokens:
             self.append_tokens(cached.new_token_ids[i])
         if cached.resumed_from_preemption[i]:
-            self.block_ids = list(new_blocks)
+            self.block_ids = [list(table) for table in cached.new_block_ids[i]]
             self.draft_num_computed = self.num_computed_tokens
-            self.num_null_blocks = cached.num_null_blocks[i]
+            self.num_null_blocks = list(cached.num_null_blocks[i])
             return
-        del self.block_ids[cached.num_blocks[i] - len(new_blocks):]
-        self.block_ids.extend(new_blocks)
-        num_null = cached.num_null_blocks[i]
-        if num_null > self.num_null_blocks:  # blocks freed behind the window
-            self.block_ids[self.num_null_blocks:num_null] = [NULL_BLOCK_ID] * (num_null - self.num_null_blocks)
-            self.num_null_blocks = num_null
+        for g, (table, new_blocks) in enumerate(zip(self.block_ids, cached.new_block_ids[i], strict=True)):
+            del table[cached.num_blocks[i][g] - len(new_blocks):]
+            table.extend(new_blocks)
+            num_null, known = cached.num_null_blocks[i][g], self.num_null_blocks[g]
+            if num_null > known:  # blocks freed behind the window
+                table[known:num_null] = [NULL_BLOCK_ID] * (num_null - known)
+                self.num_null_blocks[g] = num_null
 
     def set_scheduled_drafts(self, drafts: list[int]) -> None:
         """Keep the drafts the scheduler sent for this step (a prefix of those proposed, maybe none)."""

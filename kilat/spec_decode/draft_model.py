@@ -71,7 +71,7 @@ class DraftModelProposer:
             end = request.num_tokens if wanted else min(request.num_computed_tokens, request.num_tokens)
             if end > request.draft_num_computed:
                 batch.append((request, request.draft_num_computed, end, wanted))
-                tables[request.request_id] = request.block_ids
+                tables[request.request_id] = request.block_ids[0]  # with a draft model there is one KV-cache group
         if not batch:
             return
         ids: list[int] = []

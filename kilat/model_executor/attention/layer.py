@@ -13,9 +13,9 @@ from kilat.model_executor.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged causal self-attention of one decoder layer (no weights).
 
-    Reads the backend, its step metadata, ``kv_caches[layer_idx]`` (with ``kv_scales[layer_idx]`` for a quantized
-    cache) from the forward context, writes the new K/V at ``slot_mapping`` and attends each new token over its
-    request's whole context.
+    Reads the backend, its step metadata (its KV-cache group's), ``kv_caches[layer_idx]`` (with
+    ``kv_scales[layer_idx]`` for a quantized cache) from the forward context, writes the new K/V at
+    ``slot_mapping`` and attends each new token over its request's whole context.
 
     Args:
         layer_idx: index of this layer's KV cache in ``ForwardContext.kv_caches``.
@@ -65,8 +65,9 @@ class Attention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         kv_scales = None if ctx.kv_scales is None else ctx.kv_scales[self.layer_idx]
         backend = ctx.attn_backend
-        backend.write_kv(kv_cache, key, value, ctx.attn_metadata.slot_mapping, kv_scales)
-        out = backend.forward(query, key, value, kv_cache, ctx.backend_metadata, self.scale, self.sliding_window,
+        common, metadata = ctx.metadata_for(self.layer_idx)
+        backend.write_kv(kv_cache, key, value, common.slot_mapping, kv_scales)
+        out = backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window,
                               kv_scales, self.logits_soft_cap, self.sinks)
         return out.reshape(query.shape[0], self.num_heads * self.head_dim)
 

@@ -46,7 +46,8 @@ class DecodeBatch:
 
 
 def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
-    """The current step as a :class:`DecodeBatch` when the fused op may run it, else ``None``.
+    """The current step as a :class:`DecodeBatch` when the fused op may run it, else ``None`` (also with several
+    KV-cache groups: the op takes one block table for every layer).
 
     Args:
         x: the step's hidden states ``[T, hidden]`` (their device and dtype decide).
@@ -55,7 +56,7 @@ def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
     metadata = ctx.attn_metadata
     tokens = x.shape[0]
     if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
-            or ctx.fused_kernels or ctx.attn_backend.name != "cpu"
+            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or ctx.group_metadata is not None
             or metadata.num_decode_tokens != tokens or metadata.num_reqs != tokens):
         return None
     return DecodeBatch(metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
