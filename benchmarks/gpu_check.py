@@ -12,7 +12,9 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
 - ``moe``: the Triton grouped-GEMM MoE experts (``fused_moe/triton_moe.py``) against the per-expert loop
   (``looped_experts``) in bfloat16 and float32 (max |error|) on a 64-expert top-8 layer (hidden 1024,
   intermediate 512), then bfloat16 times of Triton, the loop and torch ``grouped_mm`` for 1, 16 and 512 tokens
-  with the expert weights each reads per second (the experts hit times their bytes, over the time).
+  with the expert weights each reads per second (the experts hit times their bytes, over the time); and the
+  quantized experts (int8, int4, fp8: ``fused_moe/quantized.py``) against the fused path on their dequantized
+  weights, timed against bfloat16 experts.
 - ``graphs``: greedy outputs of the embedded model's shapes (dummy weights) with CUDA graphs on and off, in
   float32 (must be equal) and bfloat16 (reported), over a batch that shrinks through uncaptured sizes.
 - ``kilat-<model>`` / ``hf-<model>`` for Llama-3-8B and SmolLM2-135M shapes (dummy bfloat16 weights):
@@ -316,8 +318,45 @@ def section_moe(args: argparse.Namespace) -> dict[str, Any]:
             if "triton_ms" in timing and "looped_ms" in timing:
                 timing["triton_speedup_vs_looped"] = timing["looped_ms"] / timing["triton_ms"]
             timings.append(timing)
+    quantized = moe_quantized(args, shape, weights[torch.bfloat16], g)
     return {"shape": shape, "correctness": correctness, "all_pass": all(c["pass"] for c in correctness),
-            "timings": timings, "bandwidth_gbps_given": args.bandwidth_gbps}
+            "timings": timings, "bandwidth_gbps_given": args.bandwidth_gbps, "quantized": quantized,
+            "quantized_all_pass": all(q["pass"] for q in quantized)}
+
+
+def moe_quantized(args: argparse.Namespace, shape: dict[str, int], weights: tuple[torch.Tensor, torch.Tensor],
+                  g: torch.Generator) -> list[dict[str, Any]]:
+    """Quantized experts (``fused_moe/quantized.py``: on CUDA the used experts dequantized for the fused path) in
+    bfloat16 for int8, int4 (g32) and fp8: max |error| against ``fused_experts`` on the method's dequantized weights,
+    and the layer's time against bfloat16 experts."""
+    from kilat.model_executor.layers.fused_moe import FusedMoE, fused_experts, select_experts
+    from kilat.model_executor.layers.quantization import get_quantization_config_class
+
+    dev = device()
+    num_experts, top_k, hidden, inter = shape.values()
+    iters = 5 if args.smoke else 50
+    results = []
+    for fmt in ("int8", "int4", "fp8"):
+        config = get_quantization_config_class(fmt).from_options({"group_size": 32} if fmt == "int4" else {})
+        with torch.device(dev):
+            moe = FusedMoE(num_experts, top_k, hidden, inter, True, torch.bfloat16, config, "experts")
+        moe.w13_weight.data.copy_(weights[0])
+        moe.w2_weight.data.copy_(weights[1])
+        moe.process_weights_after_loading()
+        d13, d2 = moe.quant_method.dequantized(torch.bfloat16)
+        for tokens in MOE_TOKENS[:2] if args.smoke else MOE_TOKENS:
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(dev)
+            logits = torch.randn(tokens, num_experts, generator=g).to(dev)
+            routed = select_experts(logits, top_k, True)
+            with torch.inference_mode():
+                out, ref = moe(x, logits).float(), fused_experts(x, d13, d2, *routed).float()
+                ms = time_us(lambda m=moe, a=x, r=logits: m(a, r), iters) / 1e3
+                dense_ms = time_us(lambda a=x, r=routed: fused_experts(a, *weights, *r), iters) / 1e3
+            results.append({"fmt": fmt, "tokens": tokens, "max_abs_err": float((out - ref).abs().max()),
+                            "max_abs_ref": float(ref.abs().max()), "pass": torch.allclose(out, ref, atol=2e-2,
+                                                                                         rtol=2e-2),
+                            "ms": ms, "bf16_ms": dense_ms, "time_over_bf16": ms / dense_ms})
+    return results
 
 
 # ------------------------------------------------------------------------------------------------- graphs
@@ -805,6 +844,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
     summary = {"kernels match the torch reference": check(get("kernels", "all_pass"), True),
                "moe Triton experts match the per-expert loop": check(get("moe", "all_pass"), True),
+               "moe quantized experts match their dequantized weights": check(get("moe", "quantized_all_pass"), True),
                "greedy float32 equal with CUDA graphs on and off": check(get("graphs", "float32", "equal"), True),
                "CUDA-graph decode steps match eager and the torch reference":
                    check(get("graphs", "decode_step_check", "pass"), True)}

@@ -9,7 +9,10 @@ layers of hidden size ``--hidden``, 8 query / 4 key-value heads of 64, a 8,192-t
 - ``moe-fused``: every layer a sparse block of ``--experts`` experts of ``--expert-size`` intermediate features,
   ``--top-k`` per token (kilat's ``fused_experts``);
 - ``moe-looped``: the same model with the experts run one at a time (``looped_experts`` patched in);
-- ``dense``: a dense SwiGLU MLP of ``top_k * expert_size`` features per layer (the MoE's active parameters).
+- ``dense``: a dense SwiGLU MLP of ``top_k * expert_size`` features per layer (the MoE's active parameters);
+- ``moe-fused-<method>`` for each of ``--quantization`` (default ``int8 fp8 int4``): the MoE with every linear
+  and the experts quantized at load (:mod:`kilat.model_executor.layers.fused_moe.quantized`: the experts a step
+  uses are dequantized, then the same fused path runs).
 
 Per variant and round: output tokens per second and the median engine step time (ms) of greedy decodes of
 ``--batch-sizes`` concurrent requests (64-token prompts, ``--max-tokens`` tokens, EOS ignored), after one discarded
@@ -56,13 +59,14 @@ def configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return {"moe": moe, "dense": dense}
 
 
-def measure(model: str, looped: bool, batch_sizes: list[int], max_tokens: int) -> dict[str, Any]:
+def measure(model: str, looped: bool, batch_sizes: list[int], max_tokens: int, quantization: str | None = None
+            ) -> dict[str, Any]:
     """One variant's decode rates and median step times (engine built, warmed up and shut down here)."""
     fused = moe_layer.fused_experts
     if looped:
         moe_layer.fused_experts = looped_experts
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
-              distributed_executor_backend="uni", attention_backend="cpu")
+              distributed_executor_backend="uni", attention_backend="cpu", quantization=quantization)
     try:
         decode_rate(llm, 1, 4)  # warm-up
         row: dict[str, Any] = {}
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--expert-size", type=int, default=256)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--quantization", nargs="*", default=["int8", "fp8", "int4"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
@@ -91,13 +96,14 @@ def main() -> None:
     for name, config in configs(args).items():
         paths[name] = Path(args.out).with_suffix(f".{name}.json")
         paths[name].write_text(json.dumps(config))
-    variants = {"moe-fused": (paths["moe"], False), "moe-looped": (paths["moe"], True),
-                "dense": (paths["dense"], False)}
+    variants = {"moe-fused": (paths["moe"], False, None), "moe-looped": (paths["moe"], True, None),
+                "dense": (paths["dense"], False, None)}
+    variants |= {f"moe-fused-{q}": (paths["moe"], False, q) for q in args.quantization}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     measure(str(paths["moe"]), False, args.batch_sizes, 4)  # discarded: the first engine of a process runs slow
     for _ in range(args.rounds):
-        for name, (path, looped) in variants.items():
-            runs[name].append(measure(str(path), looped, args.batch_sizes, args.max_tokens))
+        for name, (path, looped, quantization) in variants.items():
+            runs[name].append(measure(str(path), looped, args.batch_sizes, args.max_tokens, quantization))
             print(name, runs[name][-1], flush=True)
     steps = [f"step_ms_{b}" for b in args.batch_sizes]
     ratios = {name: {key: statistics.median(row[key] / ref[key] for row, ref in zip(rows, runs["moe-fused"],

@@ -119,6 +119,9 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert report["summary"][f"{model} W1 kilat / HF generate_batch"]["value"] > 0
     assert report["summary"]["kernels match the torch reference"]["met"] is True
     assert sections["moe"]["all_pass"] is True and len(sections["moe"]["correctness"]) == 4  # 2 batches x 2 dtypes
+    quantized = sections["moe"]["quantized"]  # 3 methods x 2 batches, on the CPU through the per-expert kernels
+    assert sections["moe"]["quantized_all_pass"] is True and [(q["fmt"], q["tokens"]) for q in quantized] == [
+        (fmt, tokens) for fmt in ("int8", "int4", "fp8") for tokens in (1, 16)]
     assert [t["tokens"] for t in sections["moe"]["timings"] if "triton_ms" in t and "looped_ms" in t] == [1, 16]
     variants = sections["quantization"]["variants"]
     assert [name for name, v in variants.items() if "decode_tokens_per_s" not in v] == [], variants

@@ -18,7 +18,6 @@ from kilat.model_executor.layers.fused_moe import (
     looped_experts,
     select_experts,
 )
-from kilat.model_executor.layers.quantization import get_quantization_config_class
 
 
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +156,3 @@ def test_bad_expert_tensors_are_named(name, shape, message):
     moe = FusedMoE(4, 2, 16, 8, True, torch.float32, prefix="model.layers.0.mlp.experts")
     with pytest.raises(ValueError, match=message):
         moe.load_checkpoint_tensor(name, torch.zeros(shape))
-
-
-def test_quantized_experts_are_refused_clearly():
-    int8 = get_quantization_config_class("int8").from_options({})
-    with pytest.raises(ValueError, match="quantization 'int8' does not support Mixture-of-Experts layers yet"):
-        FusedMoE(4, 2, 16, 8, True, torch.float32, int8, "mlp.experts")
-    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) must be in \[1, num_experts \(4\)\]"):
-        select_experts(torch.zeros(2, 4), 5, True)

@@ -245,7 +245,7 @@ def test_moe_gguf_is_not_run_natively_by_default(tmp_path: Path, gguf_cache: Pat
     assert resolve_quantization(None, None, "gguf", str(path), torch.bfloat16, "cpu") is None
     assert resolve_quantization("gguf", None, "gguf", str(path), torch.bfloat16, "cpu").name == "gguf"
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts: quantization 'gguf' does not support "
-                                         "Mixture-of-Experts layers yet"):
+                                         "Mixture-of-Experts layers"):
         get_model(ModelConfig(model=str(path), quantization="gguf", dtype="bfloat16"), "cpu")
 
 

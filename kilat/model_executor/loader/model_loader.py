@@ -16,6 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kilat.config import ModelConfig, resolve_dtype
 from kilat.model_executor.layers import Linear, process_weights_after_loading
+from kilat.model_executor.layers.fused_moe import FusedMoE
 from kilat.model_executor.layers.quantization import QuantizationConfig, resolve_quantization
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS, init_dummy_weights
 from kilat.model_executor.loader.gguf import converted_gguf_dir
@@ -89,6 +90,8 @@ def get_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     process_weights_after_loading(model)
     model.eval()
     methods = Counter(m.quant_method.describe() for m in model.modules() if isinstance(m, Linear))
+    methods.update(f"experts {m.quant_method.describe()}" for m in model.modules()
+                   if isinstance(m, FusedMoE) and m.quant_method is not None)
     logger.info("loaded %s (%s, %s weights from %s) on %s in %s: %.1fM params, %d layers, linears: %s in %.1f s",
                 config.architectures[0], config.model_type, source.kind, source.path, device,
                 str(dtype).removeprefix("torch."), num_params / 1e6, model.num_layers,

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kilat.model_executor.layers.activation import silu_and_mul
+from kilat.model_executor.layers.quantization import kernels
 
 logger = logging.getLogger("kilat")
 
@@ -61,18 +64,33 @@ SILU = GatedActivation()
 """SwiGLU, the default."""
 
 
-def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+ExpertWeights = torch.Tensor | Sequence[Any]
+"""Stacked expert weights ``[E, N, K]``, or ``E`` quantized ones (:mod:`.quantized`): packed
+:class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` or objects with ``linear(x)``."""
+
+
+def _expert_matmul(x: torch.Tensor, w: ExpertWeights, expert: int) -> torch.Tensor:
+    """``x [M, K] @ w[expert].T -> [M, N]`` (a packed weight through the quantized GEMM kernels)."""
+    if isinstance(w, torch.Tensor):
+        return x @ w[expert].t()
+    item = w[expert]
+    return kernels.quant_linear(x, item) if isinstance(item, kernels.QuantWeight) else item.linear(x)
+
+
+def looped_experts(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, activation: GatedActivation = SILU, w13_bias: torch.Tensor | None = None,
                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE expert sum one expert at a time (a Python loop over the experts that have tokens).
 
-    Args as :func:`fused_experts`. Returns ``[T, H]`` in ``x``'s dtype.
+    Args as :func:`fused_experts`; ``w13`` and ``w2`` may also be lists of quantized weights, one an expert
+    (:data:`ExpertWeights`). Returns ``[T, H]`` in
+    ``x``'s dtype.
     """
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        h = x[token] @ w13[expert].t()
-        h = activation(h if w13_bias is None else h + w13_bias[expert]) @ w2[expert].t()
+        h = _expert_matmul(x[token], w13, expert)
+        h = _expert_matmul(activation(h if w13_bias is None else h + w13_bias[expert]), w2, expert)
         h = h if w2_bias is None else h + w2_bias[expert]
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out

@@ -10,6 +10,7 @@ from torch import nn
 
 from kilat.distributed.parallel_state import get_tp_group, tensor_model_parallel_all_reduce
 from kilat.model_executor.layers.fused_moe.experts import SILU, GatedActivation, fused_experts
+from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
 from kilat.model_executor.layers.fused_moe.routing import select_experts
 from kilat.model_executor.layers.linear import divide
 from kilat.model_executor.layers.quantization import QuantizationConfig
@@ -33,8 +34,10 @@ class FusedMoE(nn.Module):
 
     Weights are stacked along a leading expert dimension: ``w13_weight [E, 2 * I, H]`` (gate rows then up rows)
     and ``w2_weight [E, H, I]``, with ``has_bias`` also ``w13_bias [E, 2 * I]`` and ``w2_bias [E, H]``, in the model
-    dtype. Under tensor parallelism each rank holds ``I / tp_size`` of every expert's intermediate features and the
-    partial outputs are summed (all-reduce), as in a dense MLP (``w2_bias`` on rank 0 only).
+    dtype; with a quantization config, its :meth:`~kilat.model_executor.layers.quantization.QuantizationConfig.
+    get_moe_method` (:mod:`.quantized`) holds the weights quantized after loading. Under tensor parallelism each
+    rank holds ``I / tp_size`` of every expert's intermediate features and the partial outputs are summed
+    (all-reduce), as in a dense MLP (``w2_bias`` on rank 0 only).
     Routing is :func:`~.routing.select_experts`, the computation :func:`~.experts.fused_experts`.
 
     Args:
@@ -44,7 +47,7 @@ class FusedMoE(nn.Module):
         intermediate_size: each expert's whole ``I`` (``moe_intermediate_size``).
         renormalize: divide the chosen weights by their sum (``norm_topk_prob``).
         dtype: parameter dtype.
-        quant_config: must be ``None``: quantized experts are not supported yet.
+        quant_config: the model's quantization (its ``get_moe_method`` quantizes the experts), or ``None``.
         prefix: the module's name (``model.layers.0.mlp.experts``), for errors.
         expert_names: the checkpoint's per-expert projection names (:data:`DEFAULT_EXPERT_NAMES`).
         scoring_func, num_expert_group, topk_group, routed_scaling_factor: as :func:`~.routing.select_experts`.
@@ -54,7 +57,8 @@ class FusedMoE(nn.Module):
         has_bias: the expert projections have biases (GPT-OSS).
 
     Raises:
-        ValueError: a quantization config, or ``tensor_parallel_size`` not dividing ``intermediate_size``.
+        ValueError: a quantization method without quantized experts, expert sizes it cannot group, or
+            ``tensor_parallel_size`` not dividing ``intermediate_size``.
 
     Shapes: ``forward(x [T, H], router_logits [T, E]) -> [T, H]``.
     """
@@ -66,9 +70,6 @@ class FusedMoE(nn.Module):
                  routed_scaling_factor: float = 1.0, e_score_correction_bias: bool = False,
                  activation: GatedActivation = SILU, has_bias: bool = False) -> None:
         super().__init__()
-        if quant_config is not None:
-            raise ValueError(f"{prefix or 'MoE experts'}: quantization {quant_config.name!r} does not support "
-                             f"Mixture-of-Experts layers yet (run the model unquantized)")
         group = get_tp_group()
         self.tp_rank, self.tp_size = group.rank, group.world_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -77,6 +78,11 @@ class FusedMoE(nn.Module):
         self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
         self.num_expert_group, self.topk_group = num_expert_group, topk_group
         self.activation = activation
+        self.quant_method: ExpertQuantMethod | None = None
+        if quant_config is not None:
+            self.quant_method = quant_config.get_moe_method(prefix or "MoE experts")
+        if self.quant_method is not None:
+            self.quant_method.check_sizes(hidden_size, self.intermediate_size, prefix or "MoE experts")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, dtype=dtype),
@@ -94,9 +100,17 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func, self.num_expert_group, self.topk_group,
             self.e_score_correction_bias, self.routed_scaling_factor)
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
-                            self.w13_bias, self.w2_bias)
+        if self.quant_method is None:
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                                self.w13_bias, self.w2_bias)
+        else:
+            out = self.quant_method.apply(x, topk_weights, topk_ids, self.activation, self.w13_bias, self.w2_bias)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize the loaded experts (with a quantization config; else nothing)."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
 
     def shard_keys(self) -> set[tuple[str, tuple[int, int | None]]]:
         """Every (parameter, (expert, shard)) a per-expert checkpoint must provide."""
@@ -169,6 +183,7 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         split = f", tp {self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
+        quant = f", quant={self.quant_method.describe()}" if self.quant_method is not None else ""
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate_size={self.intermediate_size}, "
                 f"renormalize={self.renormalize}, scoring_func={self.scoring_func}, "
-                f"activation={self.activation.name}, bias={self.w13_bias is not None}{split}")
+                f"activation={self.activation.name}, bias={self.w13_bias is not None}{split}{quant}")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
     from kilat.model_executor.layers.linear import Linear
     from kilat.model_executor.layers.quantization.kernels import QuantWeight
 
@@ -129,3 +130,14 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
         """The method object for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
+
+    def get_moe_method(self, prefix: str) -> ExpertQuantMethod | None:
+        """The method object for the MoE experts named ``prefix`` (``model.layers.0.mlp.experts``;
+        :mod:`kilat.model_executor.layers.fused_moe.quantized`), or ``None`` to leave them unquantized. The default
+        refuses: only the online methods quantize experts.
+
+        Raises:
+            ValueError: this method has no quantized experts.
+        """
+        raise ValueError(f"{prefix}: quantization {self.name!r} does not support Mixture-of-Experts layers (the "
+                         f"online methods 'int8', 'int4' and 'fp8' do; or run the model unquantized)")

@@ -43,6 +43,7 @@ from kilat.model_executor.layers.quantization.base import LinearMethod, Quantiza
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
+    from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
     from kilat.model_executor.layers.linear import Linear
 
 logger = logging.getLogger("kilat")
@@ -67,16 +68,16 @@ _UPCAST = {  # dtype -> (integer view, shift, kept bits (sign | exponent and man
 
 
 def quantize_fp8(weight: torch.Tensor, strategy: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest float8_e4m3fn of ``weight [N, K]`` with ``scale = max|w| / 448`` per row (``"channel"``)
-    or over the whole tensor (``"tensor"``).
+    """Round-to-nearest float8_e4m3fn of ``weight [N, K]`` with ``scale = max|w| / 448`` per row (``"channel"``,
+    which also takes stacked ``[..., N, K]``) or over the whole tensor (``"tensor"``).
 
     Returns:
-        ``(q, scale)``: ``q`` float8_e4m3fn ``[N, K]`` and ``scale`` float32 ``[N, 1]`` (a per-tensor scale is
-        repeated on every row), with ``weight ~= q.float() * scale`` (relative error at most 2**-4 above
+        ``(q, scale)``: ``q`` float8_e4m3fn ``[..., N, K]`` and ``scale`` float32 ``[..., N, 1]`` (a per-tensor
+        scale is repeated on every row), with ``weight ~= q.float() * scale`` (relative error at most 2**-4 above
         e4m3's smallest normal, 2**-6 * scale).
     """
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().expand(w.shape[0], 1)
+    amax = w.abs().amax(dim=-1, keepdim=True) if strategy == "channel" else w.abs().amax().expand(w.shape[0], 1)
     scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.contiguous()
@@ -382,3 +383,16 @@ class Fp8Config(QuantizationConfig):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(self.serialized, self.weight_strategy, self.activation_scheme == "static")
 
+    def get_moe_method(self, prefix: str) -> ExpertQuantMethod | None:
+        """Online fp8 experts, per output row of each expert; ``None`` (unquantized) when ``ignored_layers`` names
+        ``prefix``.
+
+        Raises:
+            ValueError: an fp8 checkpoint (``serialized``): its expert tensors are not read yet.
+        """
+        from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
+
+        if self.serialized:
+            raise ValueError(f"{prefix}: fp8 checkpoints' expert tensors are not supported yet (online fp8 of a "
+                             f"16/32-bit checkpoint is)")
+        return None if prefix in self.ignored_layers else ExpertQuantMethod("fp8")

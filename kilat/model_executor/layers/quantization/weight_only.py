@@ -19,28 +19,48 @@ from kilat.model_executor.layers.quantization.base import LinearMethod, Quantiza
 from kilat.model_executor.layers.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
+    from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
     from kilat.model_executor.layers.linear import Linear
 
 INT4_GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
-def quantize_int8(weight: torch.Tensor) -> kernels.QuantWeight:
-    """Symmetric per-row int8 of ``weight [N, K]``: ``q = round(w / s)``, ``s = max|w_row| / 127``."""
+def int8_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of ``weight [..., N, K]``: ``q = round(w / s)``, ``s = max|w_row| / 127``.
+
+    Returns:
+        ``(q, scale)``: int8 ``[..., N, K]`` and float32 ``[..., N, 1]``, ``w ~= q * scale``.
+    """
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    scale = (w.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int4_values(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 of ``weight [..., N, K]`` (``K % group_size == 0``): per group of ``group_size``
+    inputs ``zero = min``, ``scale = (max - min) / 15``, ``q = round((w - zero) / scale)`` in ``[0, 15]``.
+
+    Returns:
+        ``(q, scale, zero)``: uint8 ``[..., N, K]`` and float32 ``[..., N, K // group_size]`` twice,
+        ``w ~= q * scale + zero`` per group.
+    """
+    *lead, k = weight.shape
+    w = weight.detach().float().reshape(*lead, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(*lead, k)
+    return q, scale, lo
+
+
+def quantize_int8(weight: torch.Tensor) -> kernels.QuantWeight:
+    """:func:`int8_values` of ``weight [N, K]``, packed."""
+    q, scale = int8_values(weight)
     return kernels.pack_weight(q, scale, None, bits=8)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> kernels.QuantWeight:
-    """Asymmetric group-wise int4 of ``weight [N, K]`` (``K % group_size == 0``): per group
-    ``zero = min``, ``scale = (max - min) / 15``, ``q = round((w - zero) / scale)`` in ``[0, 15]``."""
-    n, k = weight.shape
-    w = weight.detach().float().view(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
-    return kernels.pack_weight(q, scale, lo, bits=4)
+    """:func:`int4_values` of ``weight [N, K]``, packed."""
+    return kernels.pack_weight(*int4_values(weight, group_size), bits=4)
 
 
 class WeightOnlyLinearMethod(LinearMethod):
@@ -100,6 +120,12 @@ class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: Linear, prefix: str) -> LinearMethod:
         return _unless_lm_head(self.lm_head, prefix) or WeightOnlyLinearMethod(8, None)
 
+    def get_moe_method(self, prefix: str) -> ExpertQuantMethod:
+        """int8 experts, per output row of each expert."""
+        from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
+
+        return ExpertQuantMethod("int8")
+
 
 @dataclass
 class Int4Config(QuantizationConfig):
@@ -128,6 +154,12 @@ class Int4Config(QuantizationConfig):
             raise ValueError(f"quantization_config.group_size {self.group_size} does not divide the input size "
                              f"{layer.input_size} of {prefix}")
         return _unless_lm_head(self.lm_head, prefix) or WeightOnlyLinearMethod(4, self.group_size)
+
+    def get_moe_method(self, prefix: str) -> ExpertQuantMethod:
+        """int4 experts, per ``group_size`` inputs of each expert's rows."""
+        from kilat.model_executor.layers.fused_moe.quantized import ExpertQuantMethod
+
+        return ExpertQuantMethod("int4", self.group_size)
 
 
 def _unless_lm_head(quantize_lm_head: bool, prefix: str) -> LinearMethod | None:
