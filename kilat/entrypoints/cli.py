@@ -28,6 +28,7 @@ from kilat.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from kilat.entrypoints.openai.reasoning import REASONING_PARSERS
 from kilat.entrypoints.openai.server_config import ServerConfig
 from kilat.sampling_params import SamplingParams
 
@@ -267,7 +268,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     config = ServerConfig(host=ns.host, port=ns.port, served_model_name=ns.served_model_name or [],
                           api_key=ns.api_key, max_request_body_bytes=ns.max_request_body_bytes,
                           trust_request_chat_template=ns.trust_request_chat_template,
-                          tool_call_parser=ns.tool_call_parser, uvicorn_log_level=ns.uvicorn_log_level,
+                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                          reasoning_parser_config=ns.reasoning_parser_config, uvicorn_log_level=ns.uvicorn_log_level,
                           disable_uvicorn_access_log=ns.disable_uvicorn_access_log,
                           max_engine_core_restarts=ns.max_engine_core_restarts)
     run_server(engine_args_from(ns), config)
@@ -290,6 +292,12 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                         help="accept a chat_template in chat requests (it runs on the server)")
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="parse tool calls in tool_choice='auto' outputs (hermes: <tool_call>{...}</tool_call>)")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split chat outputs into reasoning (message.reasoning_content and .reasoning) and "
+                             "answer (content): deepseek_r1 and qwen3 read <think>...</think>, tags the "
+                             "--reasoning-parser-config strings; an output with no end tag is all reasoning")
+    parser.add_argument("--reasoning-parser-config", default=None, metavar="JSON",
+                        help='the reasoning tags, e.g. \'{"start": "<think>", "end": "</think>"}\' (needed by tags)')
     parser.add_argument("--uvicorn-log-level", default=defaults["uvicorn_log_level"],
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server (uvicorn)")

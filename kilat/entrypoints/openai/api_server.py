@@ -290,7 +290,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     """The FastAPI application serving ``engine``; its shutdown stops the engine-core process."""
     names = config.served_model_name or [default_model_name(engine.config.model.model)]
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template, config.tool_call_parser)
+    chat = OpenAIServingChat(engine, names, config.trust_request_chat_template, config.tool_call_parser,
+                             config.build_reasoning_parser())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

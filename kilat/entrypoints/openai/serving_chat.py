@@ -10,6 +10,7 @@ from typing import Any
 from kilat.engine.async_llm import AsyncLLM, RequestStream
 from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker, RendererUnavailable
 from kilat.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from kilat.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from kilat.entrypoints.openai.serving import (
     APIError,
     ChoiceStream,
@@ -38,15 +39,17 @@ class OpenAIServingChat(OpenAIServing):
         served_model_names: names clients may use in ``model``.
         trust_request_chat_template: accept a ``chat_template`` in the request body (it runs on the server).
         tool_call_parser: the parser of ``tool_choice: "auto"`` outputs (see :mod:`.tool_calls`), or ``None``.
+        reasoning_parser: splits outputs into reasoning and answer (see :mod:`.reasoning`), or ``None``.
     """
 
     prefix = "chatcmpl"
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: ReasoningParser | None = None):
         super().__init__(engine, served_model_names)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self._template_worker: ChatTemplateWorker | None = None
 
     def _token_logprob(self, token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -129,11 +132,22 @@ class OpenAIServingChat(OpenAIServing):
                              "response_format or structured_outputs")
         return plan, dataclasses.replace(params, structured_outputs=constraint)
 
-    def _message(self, plan: ToolPlan | None, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """The assistant message of a finished choice (content and ``tool_calls``) and its finish reason
-        (``tool_calls`` when the model called tools)."""
-        content, calls = plan.extract(completion.text, self.tool_call_parser) if plan else (completion.text, [])
+    def _reasoning(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        """The parser that splits this request's outputs, or ``None``."""
+        parser = self.reasoning_parser
+        return parser if parser is not None and parser.applies(request.chat_template_kwargs) else None
+
+    def _message(self, request: ChatCompletionRequest, plan: ToolPlan | None, completion: CompletionOutput
+                 ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished choice (content, with a reasoning parser ``reasoning_content`` and
+        ``reasoning``, and ``tool_calls``, parsed from the answer only) and its finish reason (``tool_calls`` when
+        the model called tools)."""
+        parser = self._reasoning(request)
+        reasoning, answer = parser.split(completion.text) if parser is not None else (None, completion.text)
+        content, calls = plan.extract(answer, self.tool_call_parser) if plan and answer is not None else (answer, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parser is not None:
+            message |= {"reasoning_content": reasoning or None, "reasoning": reasoning or None}
         if not calls:
             return message, completion.finish_reason
         message["tool_calls"] = [c.to_openai() for c in calls]
@@ -161,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         choices = []
         for c in output.outputs:
-            message, finish_reason = self._message(plan, c)
+            message, finish_reason = self._message(request, plan, c)
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -187,8 +201,9 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
             return
         for c in final.outputs:
-            message, finish_reason = self._message(plan, c)
-            delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+            message, finish_reason = self._message(request, plan, c)
+            delta: dict[str, Any] = {k: message[k] for k in ("reasoning_content", "reasoning", "content")
+                                     if message.get(k)}
             if "tool_calls" in message:
                 delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
             yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
@@ -210,6 +225,8 @@ class OpenAIServingChat(OpenAIServing):
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         states = [ChoiceStream(params.stop) for _ in range(params.n)]
+        parser = self._reasoning(request)
+        splits = [ReasoningStream(parser) for _ in range(params.n)] if parser is not None else None
         final: RequestOutput | None = None
         try:
             async with contextlib.aclosing(self.merge([stream])) as updates:
@@ -222,8 +239,11 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         text, tokens = step
                         done = state.finished
+                        delta = _delta(text, done, splits[c.index] if splits is not None else None)
+                        if delta is None and not request.logprobs:  # text held back, no logprobs to send
+                            continue
                         yield sse({**base, "choices": [{
-                            "index": c.index, "delta": {"content": text} if text or not done else {},
+                            "index": c.index, "delta": delta or {},
                             "logprobs": self._logprobs(c, tokens, num_top),
                             "finish_reason": c.finish_reason if done else None,
                             "stop_reason": c.stop_reason if done else None}]})
@@ -234,3 +254,16 @@ class OpenAIServingChat(OpenAIServing):
         if request.include_usage and final is not None:
             yield sse({**base, "choices": [], "usage": usage([final])})
         yield sse("[DONE]")
+
+
+def _delta(text: str, done: bool, split: ReasoningStream | None) -> dict[str, Any] | None:
+    """A streamed chunk's ``delta`` for the choice's next ``text`` (``done``: its last): ``content``, or with a
+    reasoning parser ``reasoning_content`` and ``reasoning`` and, past the end tag, ``content``; ``{}`` for the
+    last chunk with nothing new, ``None`` for a chunk with nothing to send (text held back as a possible tag)."""
+    if split is None:
+        return {"content": text} if text or not done else {}
+    reasoning, content = split.next(text, done)
+    delta: dict[str, Any] = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
+    return delta if delta or done else None
