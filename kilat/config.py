@@ -172,6 +172,10 @@ class CacheConfig:
                "needs enable_prefix_caching (the tier holds prefix-cache blocks)")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""``scheduling_policy`` values (:mod:`kilat.core.request_queue`)."""
+
+
 @dataclass
 class SchedulerConfig:
     """Per-step limits of the continuous-batching scheduler.
@@ -180,16 +184,22 @@ class SchedulerConfig:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
         enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
+        scheduling_policy: ``"fcfs"`` (arrival order) or ``"priority"`` (by each request's ``priority``, lower
+            first, then arrival; preemption takes the lowest priority, newest first); see
+            :mod:`kilat.core.request_queue`.
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
 
 @dataclass
@@ -543,6 +553,7 @@ class EngineArgs:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = ExecutionConfig.attention_backend

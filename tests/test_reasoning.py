@@ -91,17 +91,19 @@ CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}</tool_cal
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
     srv = Server("--dtype", "float32", "--max-model-len", "1024", "--reasoning-parser", "deepseek_r1",
-                 "--tool-call-parser", "hermes", "--trust-request-chat-template")
+                 "--tool-call-parser", "hermes", "--trust-request-chat-template", "--scheduling-policy", "priority")
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     srv.stop()
 
 
-def chat(client: openai.OpenAI, regex: str, stream: bool, template: str | None = OPENS_THINK,
+def chat(client: openai.OpenAI, regex: str, stream: bool, template: str | None = OPENS_THINK, priority: int = 0,
          **kwargs: Any) -> dict[str, Any]:
-    """One greedy chat completion whose output matches ``regex``: the message's ``reasoning_content``,
+    """One greedy chat completion whose output matches ``regex`` (``priority``: the request's, under the server's
+    ``priority`` scheduling policy): the message's ``reasoning_content``,
     ``reasoning``, ``content``, ``tool_calls`` (name and arguments) and ``finish_reason``; streamed deltas joined
     (a field no delta carried is ``None``)."""
-    extra = {"structured_outputs": {"regex": regex}} | ({"chat_template": template} if template else {})
+    extra = {"structured_outputs": {"regex": regex}, "priority": priority} | (
+        {"chat_template": template} if template else {})
     request = {"model": MODEL, "messages": [{"role": "user", "content": "What is 1 + 2?"}], "temperature": 0,
                "max_tokens": 96, "extra_body": extra, **kwargs}
     if not stream:
@@ -134,7 +136,7 @@ def test_reasoning_and_answer_are_split_streamed_or_not(client: openai.OpenAI) -
     assert whole["reasoning"] == reasoning and whole["finish_reason"] == "stop"
     assert 10 <= len(reasoning) <= 40 and set(reasoning) <= set("abcdefghijklmnopqrstuvwxyz ")
     assert content[0].isupper() and content.endswith(".") and "think" not in content
-    assert chat(client, regex, stream=True) == whole
+    assert chat(client, regex, stream=True, priority=-5) == whole
     # the model wrote the end tag over several tokens
     tokens = [t.token for t in client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is 1 + 2?"}], temperature=0, max_tokens=96,

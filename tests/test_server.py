@@ -467,6 +467,9 @@ LONG_PROMPT = "hello " * 2100
      "valid string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs",
      "valid boolean"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, "priority", "needs the 'priority' scheduling policy"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority",
+     "valid integer"),
 ])
 def test_bad_request_is_400(server: Server, path: str, body: dict[str, Any], param: str | None,
                             needle: str) -> None:

@@ -56,6 +56,7 @@ class EngineCoreRequest:
         parent_id: the user-visible request id.
         index: which of the parent's ``n`` completions this is.
         cache_salt: blocks are shared only with requests of the same salt (vLLM's field), or ``None``.
+        priority: the ``priority`` scheduling policy's rank, lower first (vLLM's field; 0 under ``fcfs``).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class EngineCoreRequest:
     parent_id: str
     index: int = 0
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class TokenSequence:
@@ -99,13 +101,15 @@ class Request(TokenSequence):
         index: which of the parent's ``n`` completions this is.
         cache_salt: blocks are shared only with requests of the same salt, or ``None``.
         group_leader: for ``index > 0``, the sibling whose prompt KV this one reuses.
+        priority: the ``priority`` scheduling policy's rank, lower first.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, arrival_time: float | None = None,
                  parent_id: str | None = None, index: int = 0, group_leader: Request | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority
         self.cache_salt = cache_salt
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index
@@ -136,7 +140,7 @@ class Request(TokenSequence):
     def from_core_request(cls, r: EngineCoreRequest, group_leader: Request | None = None) -> Request:
         """Build the core's mutable request from what the frontend sent."""
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time,
-                   r.parent_id, r.index, group_leader, r.cache_salt)
+                   r.parent_id, r.index, group_leader, r.cache_salt, r.priority)
 
     @property
     def is_finished(self) -> bool:

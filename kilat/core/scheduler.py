@@ -32,12 +32,12 @@ sent.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from kilat.config import SchedulerConfig
 from kilat.core.block_pool import KVBlock
 from kilat.core.kv_cache_manager import KVCacheManager
 from kilat.core.request import Request, RequestStatus
+from kilat.core.request_queue import RequestQueue, preemption_key
 from kilat.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kilat.kv_connector.base import KVConnectorBase
 
@@ -75,7 +75,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -95,7 +95,7 @@ class Scheduler:
         return bool(self.waiting_for_remote_kvs or self.aborted_loads or self.sending)
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (FCFS).
+        """Queue a new request (in the order of ``scheduling_policy``: :mod:`kilat.core.request_queue`).
 
         Raises:
             ValueError: the request id is already in use.
@@ -103,7 +103,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, save_kv: bool = True) -> list[Request]:
         """End the given unfinished requests with ``status`` and free their blocks (offered to the KV connector
@@ -156,15 +156,18 @@ class Scheduler:
         request.metrics.finished_time = time.time()
 
     def _preempt_last(self) -> Request:
-        """Preempt the newest running request that is not in flight."""
-        victim = self.running.pop(max(i for i, r in enumerate(self.running) if r.request_id not in self.in_flight))
+        """Preempt the running request that is not in flight and that ``scheduling_policy`` ranks last: the newest
+        (``fcfs``), or the lowest priority, newest first (``priority``)."""
+        policy = self.config.scheduling_policy
+        victim = self.running.pop(max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
+                                      key=lambda i: preemption_key(self.running[i], policy, i)))
         self._free_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.clear_drafts()
         self._num_sent_blocks.pop(victim.request_id, None)
         victim.metrics.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.prepend(victim)
         self.num_preemptions += 1
         return victim
 
@@ -237,11 +240,11 @@ class Scheduler:
         skipped: list[Request] = []
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             grammar = request.grammar
             if self._waits_for_leader(request) or (grammar is not None and (not grammar.ready or grammar.error)):
                 # a grammar that failed since failed_grammars() ran ends the request in the next step
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             if self._load_external(request, computed_blocks, num_hit):
@@ -253,7 +256,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, computed_blocks,
                                           self._lookahead(request, num_hit + num_new)):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.status == RequestStatus.PREEMPTED:
                 resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
@@ -262,7 +265,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         out = self._output(scheduled, preempted, resumed, self.config.max_num_batched_tokens - budget)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -287,7 +291,7 @@ class Scheduler:
         num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
         if num_external == 0 or not self.kv.allocate_slots(request, num_external, computed_blocks, cache=False):
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         request.num_computed_tokens = num_hit
         self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request, num_hit // self.kv.block_size),
                                                 num_external)
@@ -329,7 +333,7 @@ class Scheduler:
                 request.metrics.num_cached_tokens = request.num_cached_tokens
             request.num_computed_tokens = 0
             request.status = status
-            self.waiting.appendleft(request)
+            self.waiting.prepend(request)
 
     def _output(self, scheduled: list[tuple[Request, int]], preempted: list[Request], resumed: set[str],
                 num_tokens: int) -> SchedulerOutput:

@@ -194,7 +194,8 @@ class AsyncLLM:
         try:
             self.tokenizer, self.input_processor, self.output_processor = build_processors(
                 self.config.model, ready.hf_config, ready.max_model_len,
-                None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role)
+                None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role,
+                self.config.scheduler.scheduling_policy)
         except BaseException:
             for client in clients:
                 client.shutdown()

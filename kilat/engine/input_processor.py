@@ -20,7 +20,24 @@ from kilat.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 """A text prompt, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": list[int]}`` (vLLM's
 ``TextPrompt`` / ``TokensPrompt``), optionally with ``"cache_salt": str`` (its prefix-cache blocks are shared only
-with requests of the same salt)."""
+with requests of the same salt) and ``"priority": int`` (its rank under the ``priority`` scheduling policy, lower
+first; vLLM's request field)."""
+
+MAX_PRIORITY = 2**31 - 1
+"""Largest ``priority`` magnitude a request may give."""
+
+
+
+def prompt_with(prompt: PromptType, **fields: Any) -> PromptType:
+    """``prompt`` as a prompt dict that also carries ``fields`` (those not ``None``; e.g. ``cache_salt``,
+    ``priority``); unchanged when there are none."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if not fields:
+        return prompt
+    if isinstance(prompt, dict):
+        return prompt | fields
+    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, **fields}
+
 
 MAX_LOGPROBS = 20
 """Most top logprobs a request may ask for (OpenAI's limit)."""
@@ -38,11 +55,14 @@ class InputProcessor:
             they join each request's ``stop_token_ids`` unless it sets ``ignore_eos``.
         kv_role: the engine's ``kv_transfer_config.kv_role``, or ``None`` (requests' ``kv_transfer_params`` are
             then refused).
+        scheduling_policy: the engine's; requests may give a non-zero ``priority`` only under ``"priority"``.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_id: int | None,
-                 extra_eos_token_ids: set[int] | frozenset[int] = frozenset(), kv_role: str | None = None):
+                 extra_eos_token_ids: set[int] | frozenset[int] = frozenset(), kv_role: str | None = None,
+                 scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.kv_role = kv_role
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -163,17 +183,34 @@ class InputProcessor:
         siblings reuse the first completion's prompt blocks.
 
         Raises:
-            ValueError: as :meth:`to_token_ids`, :meth:`validate_params` and
+            ValueError: as :meth:`to_token_ids`, :meth:`validate_params`, :meth:`check_priority` and
                 :func:`~kilat.core.block_hash.check_cache_salt`.
         """
         salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
+        priority = self.check_priority(prompt.get("priority", 0) if isinstance(prompt, dict) else 0)
         text, ids = self.to_token_ids(prompt, add_special_tokens)
         params = self.validate_params(params, len(ids))
         now = time.time()
         requests = [EngineCoreRequest(f"{request_id}#{next(self._core_ids)}", ids, params, self.eos_token_id,
-                                      now, parent_id=request_id, index=i, cache_salt=salt)
+                                      now, parent_id=request_id, index=i, cache_salt=salt, priority=priority)
                     for i in range(params.n)]
         return text, ids, params, requests
+
+    def check_priority(self, priority: object) -> int:
+        """Validate a request's ``priority`` (vLLM's field).
+
+        Raises:
+            ValueError: naming ``priority``: not an integer, beyond :data:`MAX_PRIORITY`, or non-zero while the
+                engine schedules ``fcfs``.
+        """
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r:.80}")
+        if abs(priority) > MAX_PRIORITY:
+            raise ValueError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs the 'priority' scheduling policy (--scheduling-policy "
+                             f"priority); this engine schedules {self.scheduling_policy!r}")
+        return priority
 
     def chat_template_call(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                            continue_final_message: bool = False, chat_template: str | None = None,

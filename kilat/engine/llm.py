@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kilat.config import EngineArgs
-from kilat.engine.input_processor import PromptType
+from kilat.engine.input_processor import PromptType, prompt_with
 from kilat.engine.llm_engine import LLMEngine
 from kilat.outputs import RequestOutput
 from kilat.sampling_params import SamplingParams
@@ -52,19 +52,26 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously; outputs keep the prompts' order.
 
         ``prompts`` is a string, a list of token ids, a ``{"prompt_token_ids": ...}`` dict, or a list of
         these. ``sampling_params`` is one for all prompts or one per prompt (default ``SamplingParams()``).
+        ``priority`` (vLLM's argument): one per prompt, lower first, under ``scheduling_policy="priority"``.
 
         Raises:
-            ValueError: any prompt or parameter is invalid; nothing is generated then.
+            ValueError: any prompt or parameter is invalid, or ``priority`` is not one per prompt (or not
+                allowed: ``fcfs``); nothing is generated then.
         """
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, add_special_tokens=True)
+        prompts = list(prompts)
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+            prompts = [prompt_with(p, priority=rank) for p, rank in zip(prompts, priority, strict=True)]
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=True)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

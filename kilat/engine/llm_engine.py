@@ -39,7 +39,8 @@ class LLMEngine:
         self.hf_config = self.core.info.hf_config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(
             self.config.model, self.hf_config, self.core.max_model_len,
-            None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role)
+            None if self.config.kv_transfer is None else self.config.kv_transfer.kv_role,
+            self.config.scheduler.scheduling_policy)
         self._ids = itertools.count()
         # a dropped engine stops its grammar compile workers too (they are processes of their own)
         self._finalizer = weakref.finalize(self, self.core.shutdown)

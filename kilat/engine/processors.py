@@ -31,7 +31,8 @@ def _config_eos_ids(hf_config: Any, source: ModelSource) -> set[int]:
 
 
 def build_processors(model_config: ModelConfig, hf_config: Any, max_model_len: int,
-                     kv_role: str | None = None) -> tuple[Any, InputProcessor, OutputProcessor]:
+                     kv_role: str | None = None, scheduling_policy: str = "fcfs"
+                     ) -> tuple[Any, InputProcessor, OutputProcessor]:
     """Load the tokenizer and make the input and output processors for one model.
 
     Args:
@@ -39,6 +40,7 @@ def build_processors(model_config: ModelConfig, hf_config: Any, max_model_len: i
         hf_config: the model's transformers config (``vocab_size``, ``eos_token_id``).
         max_model_len: the engine's context limit in tokens.
         kv_role: the engine's ``kv_transfer_config.kv_role``, or ``None``.
+        scheduling_policy: the engine's (requests may give a ``priority`` only under ``"priority"``).
 
     Returns:
         (tokenizer, input processor, output processor).
@@ -54,5 +56,6 @@ def build_processors(model_config: ModelConfig, hf_config: Any, max_model_len: i
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None and eos_ids:
         eos = min(eos_ids)
-    input_processor = InputProcessor(tokenizer, hf_config.vocab_size, max_model_len, eos, eos_ids - {eos}, kv_role)
+    input_processor = InputProcessor(tokenizer, hf_config.vocab_size, max_model_len, eos, eos_ids - {eos}, kv_role,
+                                     scheduling_policy)
     return tokenizer, input_processor, OutputProcessor(tokenizer)

@@ -61,6 +61,7 @@ class _SamplingRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    priority: StrictInt = 0
     kv_transfer_params: dict[str, Any] | None = None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

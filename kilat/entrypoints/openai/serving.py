@@ -16,7 +16,7 @@ from typing import Any
 from kilat.engine.async_llm import AsyncLLM, RequestStream
 from kilat.engine.core_client import EngineDeadError
 from kilat.engine.detokenizer import TextDelta
-from kilat.engine.input_processor import PromptType
+from kilat.engine.input_processor import PromptType, prompt_with
 from kilat.engine.tokenizer import TokenBytes
 from kilat.outputs import CompletionOutput, RequestError, RequestOutput
 from kilat.sampling_params import SamplingParams
@@ -158,8 +158,10 @@ class OpenAIServing:
         return f"{self.prefix}-{uuid.uuid4().hex}"
 
     async def start(self, response_id: str, prompts: list[PromptType], params: SamplingParams,
-                    add_special_tokens: bool, fields: set[str], cache_salt: str | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt (each with ``cache_salt``, vLLM's request field: its prefix-cache
+                    add_special_tokens: bool, fields: set[str], cache_salt: str | None = None,
+                    priority: int = 0) -> list[RequestStream]:
+        """Queue one engine request per prompt (each with ``priority`` and ``cache_salt``, vLLM's request fields:
+        its rank under the ``priority`` scheduling policy, and a salt so that its prefix-cache
         blocks are shared only with requests of the same salt), all validated before any is queued.
 
         Raises:
@@ -168,7 +170,8 @@ class OpenAIServing:
         """
         try:
             return await self.engine.add_requests(
-                [(f"{response_id}-{i}", _with_cache_salt(p, cache_salt)) for i, p in enumerate(prompts)], params,
+                [(f"{response_id}-{i}", prompt_with(p, cache_salt=cache_salt, priority=priority or None))
+                 for i, p in enumerate(prompts)], params,
                 add_special_tokens)
         except EngineDeadError as e:
             raise engine_unavailable(str(e)) from e
@@ -253,12 +256,3 @@ def kv_transfer_fields(outputs: list[RequestOutput]) -> dict[str, Any]:
     prefill instance's answer, vLLM's response field); ``{}`` otherwise."""
     params = outputs[0].kv_transfer_params if outputs else None
     return {} if params is None else {"kv_transfer_params": params}
-
-
-def _with_cache_salt(prompt: PromptType, cache_salt: str | None) -> PromptType:
-    """``prompt`` as a prompt dict that carries ``cache_salt`` (unchanged without one)."""
-    if cache_salt is None:
-        return prompt
-    if isinstance(prompt, dict):
-        return prompt | {"cache_salt": cache_salt}
-    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}

@@ -166,7 +166,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
-        streams = await self.start(response_id, [prompt], params, False, _FIELDS, request.cache_salt)
+        streams = await self.start(response_id, [prompt], params, False, _FIELDS, request.cache_salt,
+                                   request.priority)
         if request.stream:
             if plan is not None and plan.choice != "none":
                 return EventStream(self._stream_tools(request, model, response_id, streams[0], plan), streams)

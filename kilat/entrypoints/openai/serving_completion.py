@@ -99,7 +99,8 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
         response_id = self.new_id()
-        streams = await self.start(response_id, prompts, params, True, _FIELDS, request.cache_salt)
+        streams = await self.start(response_id, prompts, params, True, _FIELDS, request.cache_salt,
+                                   request.priority)
         if request.stream:
             return EventStream(self._stream(request, model, response_id, streams, params), streams)
         outputs = await self.final_outputs(streams)
