@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from kilat.bench.client import BenchRequest, _chunk_text, send_request
+from kilat.bench.datasets import reasoning_requests
 from kilat.bench.metrics import RequestResult, distribution, parse_goodput, summarize
 from kilat.bench.serve import (
     arrival_offsets,
@@ -19,6 +20,7 @@ from kilat.bench.serve import (
     external_prefix_cache_hit_rate,
     format_table,
     parse_samples,
+    preemption_metrics,
     prefix_cache_hit_rate,
     spec_decode_metrics,
 )
@@ -330,3 +332,27 @@ def test_jsonl_slice_splits_a_file_between_sweep_levels() -> None:
     assert [r.prompt for r in jsonl_slice(prompts, 8, 1, 2)] == ["p5", "p6", "p7", "p8", "p9"]
     assert [r.prompt for r in jsonl_slice(prompts[:2], 8, 2, 3)] == ["p0", "p1"]
     assert [r.prompt for r in jsonl_slice(prompts, 4, 0, 1)] == ["p0", "p1", "p2", "p3"]
+
+
+def test_preemptions_per_1k_output_tokens_from_counters() -> None:
+    before = parse_samples('kilat:num_preemptions_total{engine="0"} 2.0\nkilat:num_preempted_tokens_total 100.0\n')
+    after = parse_samples('kilat:num_preemptions_total{engine="0"} 5.0\nkilat:num_preemptions_total{engine="1"} 1.0\n'
+                          'kilat:num_preempted_tokens_total 420.0\n')
+    got = preemption_metrics(before, after, output_tokens=2000)
+    assert got == {"preemptions": 4.0, "preemptions_per_1k_output_tokens": 2.0, "preempted_tokens": 320.0}
+    assert "preemptions (per 1k output tokens)  4 (2.00)" in format_table(summarize([], 1.0) | got)
+    assert preemption_metrics({}, {"vllm:num_preemptions_total": 3.0}, 0) == {
+        "preemptions": 3.0, "preemptions_per_1k_output_tokens": None, "preempted_tokens": None}
+
+
+def test_reasoning_output_lengths_are_heavy_tailed() -> None:
+    """W7: log-normal lengths, median 1,000 and P99 about 10x it, clipped; prompts as ``random``'s."""
+    reqs = reasoning_requests(4000, (32, 64), 1000, 1.0, (16, 16384), 49152, seed=0)
+    lengths = sorted(r.output_len for r in reqs)
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert 900 <= median <= 1100 and 8 <= p99 / median <= 13 and lengths[0] >= 16 and lengths[-1] <= 16384
+    assert all(32 <= r.prompt_len == len(r.prompt) <= 64 for r in reqs)
+    assert [r.output_len for r in reasoning_requests(5, (8, 8), 100, 1.0, (16, 400), 1000, 3)] == [
+        r.output_len for r in reasoning_requests(5, (8, 8), 100, 1.0, (16, 400), 1000, 3)]
+    with pytest.raises(ValueError, match="median output length 5 must lie in"):
+        reasoning_requests(1, (8, 8), 5, 1.0, (16, 400), 1000, 0)

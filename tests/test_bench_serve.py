@@ -21,7 +21,8 @@ SUMMARY_FIELDS = {
     "ttft_s", "tpot_s", "itl_s", "e2el_s", "goodput", "slos_s", "cost_per_hour_usd", "cost_per_1m_output_tokens_usd",
     "endpoint", "model", "base_url", "request_rate", "max_concurrency", "prefix_cache_hit_rate",
     "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "spec_decode_acceptance_per_pos",
-    "server_counter_deltas", "per_request", "dataset", "num_prompts"}
+    "preemptions", "preemptions_per_1k_output_tokens", "preempted_tokens", "server_counter_deltas", "per_request",
+    "dataset", "num_prompts"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,20 @@ def test_bench_serve_random_writes_every_field(server: Server, tmp_path: Path) -
     assert deltas["kilat:generation_tokens_total"] == result["total_output_tokens"]
     assert plot.stat().st_size > 10_000
     assert "TTFT mean / P50 / P90 / P99 (ms)" in run.stdout
+
+
+def test_bench_serve_reasoning_workload(server: Server, tmp_path: Path) -> None:
+    """W7 scaled down: heavy-tailed output lengths, every token generated; preemptions reported (none here)."""
+    out = tmp_path / "result.json"
+    run = bench("serve", "--base-url", server.url, "--dataset-name", "reasoning", "--num-prompts", "8",
+                "--random-input-len", "16:32", "--reasoning-output-median", "8", "--reasoning-output-range", "4:40",
+                "--max-concurrency", "4", "--result-json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    lengths = result["per_request"]["output_tokens"]
+    assert result["completed"] == 8 and all(4 <= n <= 40 for n in lengths) and len(set(lengths)) > 2
+    assert result["preemptions"] == 0 and result["preemptions_per_1k_output_tokens"] == 0
+    assert "preemptions (per 1k output tokens)  0 (0.00)" in run.stdout
 
 
 def test_bench_serve_shared_prefix_hit_rate(server: Server, tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ def test_priority_preempts_the_lowest_priority_newest_first() -> None:
     assert out.preempted_req_ids == {"low"} and list(out.num_scheduled_tokens) == ["high"]
     low = s.requests["low"]
     assert low.status == RequestStatus.PREEMPTED and low.metrics.num_preemptions == 1
+    assert s.num_preempted_tokens == 8  # its 7 prompt tokens and token 8 are to be computed again
     finished = []
     while s.num_unfinished:
         finished += run_step(s)[1]

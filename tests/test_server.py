@@ -89,6 +89,7 @@ def test_models_health_version_metrics(server: Server) -> None:
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "prompt_tokens_total", "generation_tokens_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                 "num_preempted_tokens_total",
                  "request_success_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"kilat:{name}" in text
 

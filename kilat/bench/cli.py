@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from kilat.bench.client import BenchRequest
-from kilat.bench.datasets import DATASETS, jsonl_requests, random_requests, shared_prefix_requests, text_requests
+from kilat.bench.datasets import (
+    DATASETS,
+    jsonl_requests,
+    random_requests,
+    reasoning_requests,
+    shared_prefix_requests,
+    text_requests,
+)
 from kilat.bench.metrics import parse_goodput
 from kilat.bench.serve import LoadConfig, benchmark, format_table
 
@@ -46,6 +53,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix-len", type=int, default=512, help="shared-prefix: tokens of each prefix")
     parser.add_argument("--shared-suffix-len", type=int, default=32, help="shared-prefix: own tokens per request")
     parser.add_argument("--text-input-lines", type=int, default=12, help="text: poem lines per prompt")
+    parser.add_argument("--reasoning-output-median", type=int, default=1000,
+                        help="reasoning (W7): median max_tokens of the log-normal output lengths (prompts: "
+                             "--random-input-len)")
+    parser.add_argument("--reasoning-output-sigma", type=float, default=1.0,
+                        help="reasoning: shape of the log-normal (1.0: P99 10.2x the median)")
+    parser.add_argument("--reasoning-output-range", type=parse_range, default="16:16384",
+                        help="reasoning: MIN:MAX the output lengths are clipped to")
     parser.add_argument("--output-len", type=int, default=128,
                         help="max_tokens for shared-prefix, text and jsonl prompts")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s; inf = all at once")
@@ -75,7 +89,7 @@ def _served_model(base_url: str, api_key: str | None) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-SEEDED_DATASETS = ("random", "shared-prefix", "text")
+SEEDED_DATASETS = ("random", "shared-prefix", "text", "reasoning")
 """Datasets drawn from a seed: each level of a sweep gets its own prompts. A jsonl file's prompts repeat."""
 
 
@@ -88,9 +102,12 @@ def dataset_requests(ns: argparse.Namespace, tokenizer: Any, seed: int, level: i
         ValueError: jsonl without ``--dataset-path``, or a malformed file.
     """
     vocab = len(tokenizer)
-    if ns.dataset_name == "random":
-        reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, seed)
-        if ns.endpoint == "chat":
+    if ns.dataset_name in ("random", "reasoning"):
+        reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, seed) \
+            if ns.dataset_name == "random" else reasoning_requests(
+                ns.num_prompts, ns.random_input_len, ns.reasoning_output_median, ns.reasoning_output_sigma,
+                ns.reasoning_output_range, vocab, seed)
+        if ns.endpoint == "chat":  # token-id prompts as text
             for r in reqs:
                 r.prompt = tokenizer.decode(r.prompt)
         return reqs

@@ -1,5 +1,6 @@
 """Benchmark prompts: ``random`` token ids, ``shared-prefix`` groups, ``text`` prompts built from a bundled
-text, and a JSONL file (the workloads of ``docs/workloads.md``)."""
+text, ``reasoning`` (random prompts with heavy-tailed output lengths) and a JSONL file (the workloads of
+``docs/workloads.md``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from kilat.bench.client import BenchRequest
 
-DATASETS = ("random", "shared-prefix", "text", "jsonl")
+DATASETS = ("random", "shared-prefix", "text", "reasoning", "jsonl")
 
 W6_PROMPTS = Path(str(resources.files("kilat.bench").joinpath("data/w6_chat_prompts.jsonl")))
 """The 64 W6 chat prompts shipped with kilat (``docs/workloads.md``), a ``--dataset-path`` for ``jsonl``."""
@@ -32,6 +33,28 @@ def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int,
         n_in = int(rng.integers(input_len[0], input_len[1] + 1))
         out.append(BenchRequest(_token_ids(rng, vocab_size, n_in), n_in,
                                 int(rng.integers(output_len[0], output_len[1] + 1))))
+    return out
+
+
+def reasoning_requests(num: int, input_len: tuple[int, int], median_output: int, sigma: float,
+                       output_range: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
+    """W7, a reasoning workload: ``num`` random prompts (lengths uniform in ``input_len``) whose ``max_tokens`` are
+    log-normal with median ``median_output`` and shape ``sigma`` (P99 = median × e^(2.326 σ): 10.2× the median
+    at σ = 1), clipped to ``output_range``, as reasoning models' long, unpredictable decodes (run with EOS
+    ignored).
+
+    Raises:
+        ValueError: a median outside ``output_range``, or ``sigma`` below 0.
+    """
+    if not output_range[0] <= median_output <= output_range[1] or sigma < 0:
+        raise ValueError(f"reasoning: the median output length {median_output} must lie in {output_range} and the "
+                         f"sigma {sigma} be >= 0")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        n_in = int(rng.integers(input_len[0], input_len[1] + 1))
+        n_out = int(np.clip(round(median_output * np.exp(sigma * rng.standard_normal())), *output_range))
+        out.append(BenchRequest(_token_ids(rng, vocab_size, n_in), n_in, n_out))
     return out
 
 

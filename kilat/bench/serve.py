@@ -160,6 +160,17 @@ def spec_decode_metrics(before: dict[str, float], after: dict[str, float]) -> di
     return result
 
 
+def preemption_metrics(before: dict[str, float], after: dict[str, float], output_tokens: int) -> dict[str, Any]:
+    """Preemptions over the run, from ``*:num_preemptions_total`` (kilat, vLLM) and ``*:num_preempted_tokens_total``
+    (kilat) deltas: ``preemptions`` (requests), ``preemptions_per_1k_output_tokens`` and ``preempted_tokens``
+    (computed tokens discarded, to be computed again); each ``None`` without its counter (or output tokens)."""
+    preemptions = counter_delta(before, after, ":num_preemptions_total")
+    return {"preemptions": preemptions,
+            "preemptions_per_1k_output_tokens": None if preemptions is None or not output_tokens
+            else 1000 * preemptions / output_tokens,
+            "preempted_tokens": counter_delta(before, after, ":num_preempted_tokens_total")}
+
+
 def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent (Poisson process; all 0 for ``inf``)."""
     if math.isinf(rate):
@@ -226,6 +237,7 @@ def benchmark(requests: list[BenchRequest], config: LoadConfig, slos: dict[str, 
         prefix_cache_hit_rate=prefix_cache_hit_rate(before, after),
         external_prefix_cache_hit_rate=external_prefix_cache_hit_rate(before, after),
         **spec_decode_metrics(before, after),
+        **preemption_metrics(before, after, summary["total_output_tokens"]),
         server_counter_deltas={k: after[k] - before.get(k, 0.0) for k in after
                                if k.endswith(("prompt_tokens_total", "generation_tokens_total"))},
         per_request={"ttft_s": [r.ttft for r in results], "tpot_s": [r.tpot for r in results],
@@ -256,6 +268,13 @@ def format_table(summary: dict[str, Any]) -> str:
     if summary.get("spec_decode_acceptance_per_pos") is not None:
         rows.append(("spec-decode acceptance by position",
                      " / ".join(f"{p:.1%}" for p in summary["spec_decode_acceptance_per_pos"])))
+    if summary.get("preemptions") is not None:
+        per_1k = summary.get("preemptions_per_1k_output_tokens")
+        rows.append(("preemptions (per 1k output tokens)",
+                     f"{summary['preemptions']:.0f} ({per_1k:.2f})" if per_1k is not None
+                     else f"{summary['preemptions']:.0f}"))
+    if summary.get("preempted_tokens") is not None:
+        rows.append(("preempted tokens (recomputed)", f"{summary['preempted_tokens']:.0f}"))
     if summary.get("cost_per_1m_output_tokens_usd") is not None:
         rows.append(("cost per 1M output tokens (USD)", f"{summary['cost_per_1m_output_tokens_usd']:.4f}"))
     for name in ("ttft", "tpot", "itl", "e2el"):

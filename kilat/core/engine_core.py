@@ -343,6 +343,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self._num_scheduled_tokens, self._num_preempted = sched.total_num_scheduled_tokens, len(sched.preempted_req_ids)
         self.stats.num_preemptions += len(sched.preempted_req_ids)
+        self.stats.num_preempted_tokens = self.scheduler.num_preempted_tokens
         if not sched.num_scheduled_tokens and not sched.finished_req_ids and sched.kv_connector_metadata is None:
             return False
         requests = {rid: self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens}

@@ -79,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_preempted_tokens = 0  # computed tokens whose KV preemptions discarded
         self.finished_req_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
         self.in_flight: set[str] = set()  # requests of steps sent whose output has not come back (module docs)
         self._num_sent_blocks: dict[str, list[int]] = {}  # request id → block ids the runner holds, per group
@@ -162,6 +163,7 @@ class Scheduler:
         victim = self.running.pop(max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
                                       key=lambda i: preemption_key(self.running[i], policy, i)))
         self._free_blocks(victim)
+        self.num_preempted_tokens += victim.num_computed_tokens
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.clear_drafts()

@@ -49,6 +49,8 @@ class _EngineStatsCollector:
                  lambda st: st.num_prompt_tokens),
                 ("kilat:generation_tokens", "Generated tokens.", lambda st: st.num_generation_tokens),
                 ("kilat:num_preemptions", "Requests preempted.", lambda st: st.num_preemptions),
+                ("kilat:num_preempted_tokens", "Computed tokens whose KV preemptions discarded (computed again "
+                 "on resumption, less prefix-cache hits).", lambda st: st.num_preempted_tokens),
                 ("kilat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  lambda st: st.prefix_cache_queries),
                 ("kilat:prefix_cache_hits", "Prompt tokens served from the prefix cache.",

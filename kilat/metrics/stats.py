@@ -86,6 +86,8 @@ class EngineStats:
         num_prompt_tokens: prompt tokens of requests that produced their first token (tokens).
         num_generation_tokens: tokens sampled (tokens).
         num_preemptions: preemptions.
+        num_preempted_tokens: computed tokens (prompt and generated) whose KV preemptions discarded (tokens): a
+            resumed request computes them again, less what the prefix cache still holds.
         prefix_cache_queries: tokens looked up in the prefix cache at admission.
         prefix_cache_hits: tokens found there.
         external_prefix_cache_hits: prompt tokens a KV connector supplied (loaded intact from the offload tier or
@@ -100,6 +102,7 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    num_preempted_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     external_prefix_cache_hits: int = 0
