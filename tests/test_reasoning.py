@@ -5,12 +5,15 @@ structured outputs so that the tags occur (split across tokens by the model's ow
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
+import torch
 
+from kilat.core.reasoning import ReasoningState, reasoning_token_count
 from kilat.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from kilat.entrypoints.openai.server_config import ServerConfig
 from tests.server_utils import Server
@@ -96,26 +99,34 @@ def client() -> Iterator[openai.OpenAI]:
     srv.stop()
 
 
-def chat(client: openai.OpenAI, regex: str, stream: bool, template: str | None = OPENS_THINK, priority: int = 0,
+def chat(client: openai.OpenAI, stream: bool, regex: str | None = None, priority: int = 0,
          **kwargs: Any) -> dict[str, Any]:
-    """One greedy chat completion whose output matches ``regex`` (``priority``: the request's, under the server's
-    ``priority`` scheduling policy): the message's ``reasoning_content``,
-    ``reasoning``, ``content``, ``tool_calls`` (name and arguments) and ``finish_reason``; streamed deltas joined
-    (a field no delta carried is ``None``)."""
-    extra = {"structured_outputs": {"regex": regex}, "priority": priority} | (
-        {"chat_template": template} if template else {})
+    """One greedy chat completion (the template opens ``<think>``; ``regex``: the answer's structured output;
+    ``priority``: the request's, under the server's ``priority`` policy): the message's ``reasoning_content``,
+    ``reasoning``, ``content``, ``tool_calls`` (name and arguments), ``finish_reason`` and ``usage``; streamed
+    deltas joined (a field no delta carried is ``None``)."""
+    extra = {"chat_template": OPENS_THINK, "priority": priority} | kwargs.pop("extra_body", {})
+    if "thinking_token_budget" in kwargs:  # vLLM's field, outside the openai client's signature
+        extra["thinking_token_budget"] = kwargs.pop("thinking_token_budget")
+    if regex is not None:
+        extra["structured_outputs"] = {"regex": regex}
     request = {"model": MODEL, "messages": [{"role": "user", "content": "What is 1 + 2?"}], "temperature": 0,
-               "max_tokens": 96, "extra_body": extra, **kwargs}
+               "max_tokens": 64, "extra_body": extra, **kwargs}
     if not stream:
-        choice = client.chat.completions.create(**request).choices[0]
+        response = client.chat.completions.create(**request)
+        choice = response.choices[0]
         message = choice.message
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
         return {"reasoning_content": message.model_extra["reasoning_content"],
                 "reasoning": message.model_extra["reasoning"], "content": message.content, "tool_calls": calls,
-                "finish_reason": choice.finish_reason}
+                "finish_reason": choice.finish_reason,
+                "usage": response.usage.model_dump(exclude_none=True, exclude={"prompt_tokens_details"})}
     joined: dict[str, Any] = {"reasoning_content": None, "reasoning": None, "content": None, "tool_calls": []}
-    reasons = []
-    for chunk in client.chat.completions.create(**request, stream=True):
+    reasons, usage = [], None
+    for chunk in client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage.model_dump(exclude_none=True, exclude={"prompt_tokens_details"})  # cache hits vary
+            continue
         choice = chunk.choices[0]
         delta = choice.delta.model_dump(exclude_none=True)
         for field in ("reasoning_content", "reasoning", "content"):
@@ -125,48 +136,99 @@ def chat(client: openai.OpenAI, regex: str, stream: bool, template: str | None =
                                  for c in delta.get("tool_calls", [])]
         reasons.append(choice.finish_reason)
     assert all(r is None for r in reasons[:-1])
-    return joined | {"finish_reason": reasons[-1]}
+    return joined | {"finish_reason": reasons[-1], "usage": usage}
 
 
 @pytest.mark.slow
-def test_reasoning_and_answer_are_split_streamed_or_not(client: openai.OpenAI) -> None:
-    regex = r"[a-z ]{10,40}</think>[A-Z][a-z ]{10,40}\."
-    whole = chat(client, regex, stream=False)
-    reasoning, content = whole["reasoning_content"], whole["content"]
-    assert whole["reasoning"] == reasoning and whole["finish_reason"] == "stop"
-    assert 10 <= len(reasoning) <= 40 and set(reasoning) <= set("abcdefghijklmnopqrstuvwxyz ")
-    assert content[0].isupper() and content.endswith(".") and "think" not in content
-    assert chat(client, regex, stream=True, priority=-5) == whole
-    # the model wrote the end tag over several tokens
+def test_thinking_budget_forces_the_end_and_the_answer_follows_its_structured_output(client: openai.OpenAI) -> None:
+    """Budget 6: six reasoning tokens, then the end tag (forced, over several tokens), then the answer under its
+    regex, which does not constrain the reasoning; streamed (with a priority) or not, the same message."""
+    answer = r"[A-Z][a-z ]{10,40}\."
+    whole = chat(client, False, answer, thinking_token_budget=6)
+    assert whole["reasoning"] == whole["reasoning_content"] and whole["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+    assert re.fullmatch(answer, whole["content"]) and not re.fullmatch(answer, whole["reasoning_content"])
+    assert chat(client, True, answer, priority=-5, thinking_token_budget=6) == whole
     tokens = [t.token for t in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is 1 + 2?"}], temperature=0, max_tokens=96,
-        logprobs=True, extra_body={"structured_outputs": {"regex": regex}, "chat_template": OPENS_THINK},
-    ).choices[0].logprobs.content]
-    assert "</think>" in "".join(tokens) and not any("</think>" in t for t in tokens)
+        model=MODEL, messages=[{"role": "user", "content": "What is 1 + 2?"}], temperature=0, max_tokens=64,
+        logprobs=True, extra_body={"chat_template": OPENS_THINK, "thinking_token_budget": 6,
+                                   "structured_outputs": {"regex": answer}}).choices[0].logprobs.content]
+    text = "".join(tokens)  # the end tag is several tokens of this model: split across tokens and deltas
+    assert text.startswith(whole["reasoning_content"] + "</think>") and not any("</think>" in t for t in tokens)
+    # SGLang's name, and a budget of 0: no reasoning at all
+    none = chat(client, False, answer, extra_body={"thinking_budget": 0})
+    assert none["reasoning_content"] is None and re.fullmatch(answer, none["content"])
+    assert none["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_no_end_tag_is_all_reasoning(client: openai.OpenAI, stream: bool) -> None:
-    out = chat(client, r"[a-z ]{10,30}", stream)
-    assert out["content"] is None and 10 <= len(out["reasoning_content"]) <= 30
-    assert out["reasoning"] == out["reasoning_content"]
+def test_no_end_tag_is_all_reasoning_and_a_budget_not_reached_changes_nothing(client: openai.OpenAI,
+                                                                             stream: bool) -> None:
+    out = chat(client, stream, max_tokens=12, extra_body={"ignore_eos": True})
+    assert out["content"] is None and out["reasoning"] == out["reasoning_content"] and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+    assert chat(client, stream, max_tokens=12, extra_body={"ignore_eos": True}, thinking_token_budget=100) == out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_start_tag_in_the_output_is_dropped(client: openai.OpenAI, stream: bool) -> None:
-    out = chat(client, r"<think>[a-z ]{5,20}</think>[a-z ]{5,20}", stream, template=None)
-    assert "<" not in out["reasoning_content"] and "<" not in out["content"]
-    assert 5 <= len(out["reasoning_content"]) <= 20 and 5 <= len(out["content"]) <= 20
+def test_tool_calls_come_from_the_answer(client: openai.OpenAI, stream: bool) -> None:
+    """``required`` constrains the answer (after a budget of 4 reasoning tokens) to the calls' JSON; ``auto``
+    parses the Hermes block the answer's regex writes."""
+    required = chat(client, stream, tools=TOOLS, tool_choice="required", thinking_token_budget=4)
+    assert [name for name, _ in required["tool_calls"]] == ["add"] and required["finish_reason"] == "tool_calls"
+    assert required["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4 and not required["content"]
+    auto = chat(client, stream, CALL, tools=TOOLS, thinking_token_budget=4)
+    assert auto["tool_calls"] == [("add", {"a": 1, "b": 2})] and auto["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_calls_are_parsed_from_the_answer_only(client: openai.OpenAI, stream: bool) -> None:
-    answer = chat(client, rf"[a-z ]{{5,20}}</think>{CALL}", stream, tools=TOOLS)
-    assert answer["tool_calls"] == [("add", {"a": 1, "b": 2})] and answer["content"] is None
-    assert answer["finish_reason"] == "tool_calls" and 5 <= len(answer["reasoning_content"]) <= 20
-    thought = chat(client, rf"{CALL}</think>[a-z ]{{5,20}}", stream, tools=TOOLS)
-    assert thought["tool_calls"] == [] and thought["finish_reason"] == "stop"
-    assert thought["reasoning_content"].startswith("<tool_call>") and 5 <= len(thought["content"]) <= 20
+def test_reasoning_state_counts_forces_and_closes() -> None:
+    natural = ReasoningState([7, 8], budget=None)  # an end tag of two tokens, written by the model
+    for token in (1, 2, 7, 3, 7, 8):
+        assert natural.forced_token is None
+        natural.accept(token)
+    assert not natural.open and natural.num_reasoning_tokens == 4  # 1 2 7 3
+    forced = ReasoningState([7, 8, 9], budget=2)
+    forced.accept(4)
+    forced.accept(5)
+    assert forced.forced_token == 7 and forced.open
+    bitmask = torch.zeros(4, 1, dtype=torch.int32)
+    assert forced.fill_rows([7, 1, 9], bitmask, 0) == [0, 1]  # the second draft is not the forced 8: rows stop
+    assert bitmask[:2, 0].tolist() == [1 << 7, 1 << 8]
+    for token in (7, 8, 9):
+        assert forced.forced_token == token
+        forced.accept(token)
+    assert not forced.open and forced.num_reasoning_tokens == 2 and forced.forced_token is None
+    assert reasoning_token_count([4, 5, 7, 8, 9, 7, 8, 9], [7, 8, 9]) == 2 and reasoning_token_count([1], [2]) == 1
+    assert ReasoningState([3], budget=0).forced_token == 3
+    for bad, message in (({"end_token_ids": []}, "at least one"), ({"end_token_ids": [1], "budget": 2}, "must be"),
+                         ({"end_token_ids": [1], "thinking_token_budget": -1}, ">= 0")):
+        with pytest.raises(ValueError, match=message):
+            ReasoningState.from_extra_args({"reasoning": bad})
+
+
+def test_engine_forces_the_end_tokens_and_grammar_waits_for_the_answer(tiny_llama_dir: str) -> None:
+    """Offline, with the engine's ``extra_args["reasoning"]``: budget 3 → three free tokens, the end ids, then an
+    answer under its regex; without a budget the same free tokens (greedy)."""
+    from kilat import LLM, SamplingParams
+    from kilat.sampling_params import StructuredOutputsParams
+
+    with LLM(tiny_llama_dir, dtype="float32", max_model_len=128) as llm:
+        tokenizer = llm.get_tokenizer()
+        end = tokenizer.encode("</think>", add_special_tokens=False)
+        prompt = [{"prompt_token_ids": [1, 5, 9, 13]}]
+
+        def run(budget: int | None, **kwargs: Any) -> list[int]:
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kwargs,
+                                    extra_args={"reasoning": {"end_token_ids": end, "thinking_token_budget": budget}})
+            return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+        free = run(None)
+        forced = run(3, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
+        assert forced[:3] == free[:3] and forced[3:3 + len(end)] == end
+        answer = tokenizer.decode(forced[3 + len(end):], skip_special_tokens=True)
+        assert re.fullmatch("[0-9]{4}", answer), answer
+        with pytest.raises(ValueError, match="end_token_ids must be token ids in"):
+            llm.generate(prompt, SamplingParams(extra_args={"reasoning": {"end_token_ids": [10 ** 9]}}),
+                         use_tqdm=False)

@@ -100,3 +100,21 @@ def test_greedy_outputs_do_not_depend_on_the_policy(tiny_llama_dir: str) -> None
                 with pytest.raises(ValueError, match="priority must be an integer"):
                     llm.generate([{"prompt_token_ids": [1, 2], "priority": 1.5}], params, use_tqdm=False)
     assert outs["fcfs"] == outs["priority"] and all(len(o) == 6 for o in outs["fcfs"])
+
+
+def test_a_request_scheduled_earlier_in_the_step_can_be_preempted() -> None:
+    """``low`` (priority 3) comes first in the running list; ``high`` (priority 0) needs a block when none is
+    free: ``low`` is preempted although it was already scheduled this step, and leaves the step's schedule (its
+    blocks go to ``high``; it must not be computed on them)."""
+    s, kv = make("priority", num_blocks=4)
+    s.add_request(req("low", 5, priority=3, arrival=1.0, max_tokens=8))
+    run_step(s)
+    s.add_request(req("high", 8, priority=0, arrival=2.0, max_tokens=8))
+    run_step(s)  # low holds 2 blocks (6 tokens), high 2 (8 prompt tokens; its first sample needs a third)
+    out, _ = run_step(s)
+    assert out.preempted_req_ids == {"low"} and list(out.num_scheduled_tokens) == ["high"]
+    assert s.requests["low"].num_computed_tokens == 0 and s.requests["low"].status == RequestStatus.PREEMPTED
+    finished = []
+    while s.num_unfinished:
+        finished += run_step(s)[1]
+    assert [r.num_output_tokens for r in finished] == [8, 8] and kv.num_free_blocks == 4

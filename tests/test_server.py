@@ -469,6 +469,12 @@ LONG_PROMPT = "hello " * 2100
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"}, "logprobs",
      "valid boolean"),
     ("/v1/completions", {"prompt": "x", "priority": 1}, "priority", "needs the 'priority' scheduling policy"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking_token_budget": 5},
+     "thinking_token_budget", "needs a server started with --reasoning-parser"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking_token_budget": 5,
+                              "thinking_budget": 6}, "thinking_token_budget", "differ"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking_budget": -1},
+     "thinking_token_budget", ">= 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority",
      "valid integer"),
 ])

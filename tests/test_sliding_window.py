@@ -75,8 +75,8 @@ def test_window_arithmetic_and_report():
         "(0.02 MiB) a request at max_model_len 64")
     assert describe_sliding_windows([8, None, 8, None], None, 16, 2**20, 4096, 1, 512) == (
         "sliding window 8 on 2/4 attention layers: every block is kept (a hybrid model with one block table: a KV "
-        "connector, a draft model, pipeline stages or CUDA graphs (--enforce-eager gives it KV-cache groups)), up to "
-        "256 (256.00 MiB) a request at max_model_len 4096")
+        "connector, a draft model, pipeline stages, or CUDA graphs, which --enforce-eager turns off for KV-cache "
+        "groups), up to 256 (256.00 MiB) a request at max_model_len 4096")
     assert describe_sliding_windows([4096] * 32, None, 16, 2**21, 32768, 1, 2048) == (
         "sliding window 4096 on 32/32 attention layers: blocks behind the window are freed; a decoding request "
         "holds at most 257 blocks (514.00 MiB), one computing 2048 tokens a step (a prefill chunk) at most 385 "

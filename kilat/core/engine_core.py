@@ -280,15 +280,17 @@ class EngineCore:
         return failed
 
     def _add_grammar_bitmask(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request has a
-        grammar (rows in batch order: ``1 +`` its scheduled drafts per request)."""
+        """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request is
+        constrained (:attr:`Request.step_constraint`: a grammar, or a forced end of reasoning; rows in batch
+        order: ``1 +`` its scheduled drafts per request)."""
         sampling = [r for rid, r in requests.items()
                     if r.num_computed_tokens + sched.num_scheduled_tokens[rid] >= r.num_tokens]
-        if all(r.grammar is None for r in sampling):
+        constraints = [r.step_constraint for r in sampling]
+        if all(c is None for c in constraints):
             return
         from kilat.structured_outputs.manager import build_bitmask
 
-        sched.grammar_bitmask = build_bitmask([r.grammar for r in sampling], self.info.hf_config.vocab_size,
+        sched.grammar_bitmask = build_bitmask(constraints, self.info.hf_config.vocab_size,
                                               [sched.scheduled_spec_decode_tokens.get(r.request_id, [])
                                                for r in sampling])
         sched.structured_output_request_ids = [r.request_id for r in sampling]

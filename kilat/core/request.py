@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kilat.core.block_hash import BlockHash
+from kilat.core.reasoning import ReasoningState
 from kilat.outputs import PositionLogprobs, RequestMetrics
 from kilat.sampling_params import SamplingParams
 
@@ -130,6 +131,8 @@ class Request(TokenSequence):
                                       num_prompt_tokens=self.num_prompt_tokens)
         self.block_hashes: list[BlockHash] = []  # of its full blocks, extended by the KVCacheManager
         self.grammar: GrammarState | None = None  # set by the engine core for structured outputs
+        # the thinking phase of a request whose reasoning the server splits (kilat.core.reasoning)
+        self.reasoning = ReasoningState.from_extra_args(sampling_params.extra_args)
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding)
         # disaggregated prefill/decode (kilat.kv_connector.tcp): what the client sent, and what the connector
         # returned when the request finished
@@ -152,11 +155,23 @@ class Request(TokenSequence):
         self.spec_token_ids = []
 
     def append_output_token(self, token_id: int) -> None:
-        """Record one sampled token (and advance the request's grammar, if it has one)."""
+        """Record one sampled token (and advance its thinking phase while it reasons, else its grammar, if it has
+        one: a grammar constrains the answer only)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
+        if self.reasoning is not None and self.reasoning.open:
+            self.reasoning.accept(token_id)
+        elif self.grammar is not None:
             self.grammar.accept(token_id)
+
+    @property
+    def step_constraint(self) -> Any:
+        """What constrains this request's next sampled tokens (:func:`~kilat.structured_outputs.manager.
+        build_bitmask`): the forced end of its reasoning, nothing while it reasons freely, else its grammar (or
+        ``None``)."""
+        if self.reasoning is not None and self.reasoning.open:
+            return self.reasoning if self.reasoning.forced_token is not None else None
+        return self.grammar
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request (EOS, stop id, length).

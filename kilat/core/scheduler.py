@@ -156,12 +156,14 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         request.metrics.finished_time = time.time()
 
-    def _preempt_last(self) -> Request:
+    def _preempt_last(self) -> tuple[int, Request]:
         """Preempt the running request that is not in flight and that ``scheduling_policy`` ranks last: the newest
-        (``fcfs``), or the lowest priority, newest first (``priority``)."""
+        (``fcfs``), or the lowest priority, newest first (``priority``). Returns its index in :attr:`running`
+        before it left, and the request."""
         policy = self.config.scheduling_policy
-        victim = self.running.pop(max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
-                                      key=lambda i: preemption_key(self.running[i], policy, i)))
+        index = max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
+                    key=lambda i: preemption_key(self.running[i], policy, i))
+        victim = self.running.pop(index)
         self._free_blocks(victim)
         self.num_preempted_tokens += victim.num_computed_tokens
         victim.status = RequestStatus.PREEMPTED
@@ -171,7 +173,16 @@ class Scheduler:
         victim.metrics.num_preemptions += 1
         self.waiting.prepend(victim)
         self.num_preemptions += 1
-        return victim
+        return index, victim
+
+    @staticmethod
+    def _drafts(request: Request, result: ModelRunnerOutput) -> list[int]:
+        """The drafts proposed for ``request``, none while it reasons under a grammar (drafts that cross the end
+        of its reasoning would be verified without the grammar the answer needs)."""
+        reasoning = request.reasoning
+        if reasoning is not None and reasoning.open and request.grammar is not None:
+            return []
+        return result.spec_token_ids.get(request.request_id, [])
 
     def _fit_drafts(self, request: Request, room: int) -> None:
         """Keep only the drafts that fit in ``room`` tokens of this step's budget."""
@@ -230,9 +241,17 @@ class Scheduler:
             num_new = min(num_new, budget)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
-                preempted.append(self._preempt_last())
-                if preempted[-1] is request:
+                index, victim = self._preempt_last()
+                preempted.append(victim)
+                if victim is request:
                     break
+                if index < i:  # ranked below this one but scheduled earlier in this step (priority): unschedule it
+                    i -= 1
+                    for k, (earlier, num) in enumerate(scheduled):
+                        if earlier is victim:
+                            budget += num
+                            del scheduled[k]
+                            break
             if request.status != RequestStatus.RUNNING:
                 break
             scheduled.append((request, num_new))
@@ -385,7 +404,7 @@ class Scheduler:
                 request.prompt_logprobs.extend(result.prompt_logprobs[rid])
             tokens = result.sampled_token_ids.get(rid)
             if tokens is None:
-                request.spec_token_ids = result.spec_token_ids.get(rid, [])
+                request.spec_token_ids = self._drafts(request, result)
                 continue
             num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
             if num_drafts:
@@ -404,5 +423,5 @@ class Scheduler:
                 self.kv.free_tail(request, request.num_tokens + self.num_lookahead_tokens)
                 self._num_sent_blocks[rid] = [min(n, self.kv.num_blocks(request, g))
                                               for g, n in enumerate(self._num_sent_blocks[rid])]
-            request.spec_token_ids = result.spec_token_ids.get(rid, [])
+            request.spec_token_ids = self._drafts(request, result)
         return finished

@@ -74,7 +74,7 @@ def describe_sliding_windows(windows: Sequence[int | None], kept_because: str | 
 
     if window is None or kept_because is not None:
         reason = kept_because or ("a hybrid model with one block table: a KV connector, a draft model, pipeline "
-                                  "stages or CUDA graphs (--enforce-eager gives it KV-cache groups)"
+                                  "stages, or CUDA graphs, which --enforce-eager turns off for KV-cache groups"
                                   if len(sliding) < len(windows) else "the window spans max_model_len")
         return f"{head}: every block is kept ({reason}), up to {full} ({mib(full)}) a request at max_model_len " \
                f"{max_model_len}"

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from kilat.core.block_hash import check_cache_salt
+from kilat.core.reasoning import ReasoningState
 from kilat.core.request import EngineCoreRequest
 from kilat.kv_connector.tcp_wire import check_kv_transfer_params
 from kilat.sampling_params import SamplingParams
@@ -145,6 +146,9 @@ class InputProcessor:
 
             validate_structured_outputs(params.structured_outputs)
         self._check_kv_transfer(params)
+        reasoning = ReasoningState.from_extra_args(params.extra_args)
+        if reasoning is not None and not all(0 <= t < self.vocab_size for t in reasoning.end_token_ids):
+            raise ValueError(f"extra_args.reasoning.end_token_ids must be token ids in [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

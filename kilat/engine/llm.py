@@ -68,6 +68,8 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if priority is not None:
+            if not isinstance(priority, Sequence) or isinstance(priority, str):
+                raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r:.80}")
             if len(priority) != len(prompts):
                 raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
             prompts = [prompt_with(p, priority=rank) for p, rank in zip(prompts, priority, strict=True)]

@@ -33,9 +33,9 @@ import selectors
 import subprocess
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xgrammar as xgr
@@ -133,6 +133,10 @@ class GrammarState:
         """Advance the matcher by a sampled token; a token the grammar rejects sets :attr:`rejected`."""
         if not self.matcher.accept_token(token_id):
             self.rejected = True
+
+    def fill_rows(self, drafts: list[int], bitmask: torch.Tensor, row0: int) -> list[int]:
+        """This step's bitmask rows from row ``row0`` (:func:`build_bitmask`); the matcher ends where it was."""
+        return _fill_rows(self.matcher, drafts, bitmask, row0)
 
     @property
     def terminated(self) -> bool:
@@ -509,12 +513,20 @@ class TokenBitmask:
     rows: list[int]
 
 
-def build_bitmask(grammars: list[GrammarState | None], vocab_size: int,
+class RowConstraint(Protocol):
+    """What constrains a request's sampled tokens in a step: its grammar (:class:`GrammarState`) or a forced end
+    of reasoning (:class:`~kilat.core.reasoning.ReasoningState`)."""
+
+    def fill_rows(self, drafts: list[int], bitmask: torch.Tensor, row0: int) -> list[int]: ...
+
+
+def build_bitmask(grammars: Sequence[RowConstraint | None], vocab_size: int,
                   drafts: list[list[int]] | None = None) -> TokenBitmask | None:
     """The step's token bitmask, or ``None`` when no row is constrained.
 
     Args:
-        grammars: per sampled request, its grammar state (ready) or ``None``.
+        grammars: per sampled request, what constrains it (a ready grammar, or a forced end of reasoning) or
+            ``None``.
         vocab_size: logit columns.
         drafts: per request, its draft tokens (speculative decoding); ``None`` means none. A request has
             ``1 + len(drafts)`` rows: the tokens allowed after its known tokens, then after each draft. Rows
@@ -529,7 +541,7 @@ def build_bitmask(grammars: list[GrammarState | None], vocab_size: int,
     row0 = 0
     for grammar, tokens in zip(grammars, drafts, strict=True):
         if grammar is not None:
-            rows.extend(_fill_rows(grammar.matcher, tokens, bitmask, row0))
+            rows.extend(grammar.fill_rows(tokens, bitmask, row0))
         row0 += 1 + len(tokens)
     return TokenBitmask(bitmask, rows)
 

@@ -236,6 +236,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
 
     ``max_completion_tokens`` (or the older ``max_tokens``) defaults to whatever fits in
     ``max_model_len``. ``logprobs`` with ``top_logprobs`` (0-20) returns log-probabilities per token.
+    ``thinking_token_budget`` (vLLM's field; SGLang's ``thinking_budget`` is the same) caps the reasoning of a
+    server with a reasoning parser (:mod:`kilat.core.reasoning`).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -245,6 +247,24 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     top_logprobs: StrictInt | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+    thinking_token_budget: StrictInt | None = None
+    thinking_budget: StrictInt | None = None
+
+    @property
+    def thinking_tokens(self) -> int | None:
+        """The request's thinking budget (``thinking_token_budget`` or ``thinking_budget``), or ``None``.
+
+        Raises:
+            ValueError: both fields, differing; or a negative budget.
+        """
+        budgets = {b for b in (self.thinking_token_budget, self.thinking_budget) if b is not None}
+        if len(budgets) > 1:
+            raise ValueError(f"thinking_token_budget ({self.thinking_token_budget}) and thinking_budget "
+                             f"({self.thinking_budget}) differ; give one")
+        budget = budgets.pop() if budgets else None
+        if budget is not None and budget < 0:
+            raise ValueError(f"thinking_token_budget must be >= 0, got {budget}")
+        return budget
 
     def to_sampling_params(self) -> SamplingParams:
         """Validated :class:`SamplingParams`.

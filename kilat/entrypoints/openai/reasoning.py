@@ -105,7 +105,8 @@ def _partial_tag(text: str, begin: int, tag: str) -> int:
 
 
 class ReasoningStream:
-    """One streamed choice's reasoning and answer, delta by delta.
+    """One streamed choice's reasoning and answer, delta by delta, in time linear in the text: what
+    :meth:`ReasoningParser.split` gives for the text so far, sent once.
 
     Args:
         parser: the server's parser.
@@ -113,19 +114,27 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser):
         self.parser = parser
-        self._text = ""
-        self._sent_reasoning = 0
-        self._sent_content = 0
+        self._head: str | None = ""  # text that may still be the start tag; None once decided
+        self._pending = ""  # reasoning held back: it may be the start of the end tag
+        self._answering = False  # the end tag was seen
 
     def next(self, delta: str, done: bool) -> tuple[str, str | None]:
         """Add ``delta`` (the choice's next text; ``done``: its last) and return the reasoning and content not
         sent yet; content is ``None`` until the end tag has been seen."""
-        self._text += delta
-        reasoning, content = self.parser.split(self._text, done)
-        new_reasoning = reasoning[self._sent_reasoning:]
-        self._sent_reasoning = len(reasoning)
-        if content is None:
-            return new_reasoning, None
-        new_content = content[self._sent_content:]
-        self._sent_content = len(content)
-        return new_reasoning, new_content
+        if self._answering:
+            return "", delta
+        start, end = self.parser.start, self.parser.end
+        if self._head is not None:
+            head = self._head + delta
+            if not done and start.startswith(head) and head != start:
+                self._head = head
+                return "", None
+            self._head, delta = None, head.removeprefix(start)
+        text = self._pending + delta
+        found = text.find(end)
+        if found >= 0:
+            self._pending, self._answering = "", True
+            return text[:found], text[found + len(end):]
+        hold = 0 if done else _partial_tag(text, 0, end)
+        self._pending = text[len(text) - hold:]
+        return text[:len(text) - hold], None

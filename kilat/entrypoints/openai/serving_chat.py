@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kilat.core.reasoning import REASONING_KEY, reasoning_token_count
 from kilat.engine.async_llm import AsyncLLM, RequestStream
 from kilat.entrypoints.openai.chat_template_worker import ChatTemplateWorker, RendererUnavailable
 from kilat.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
@@ -137,6 +138,38 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.reasoning_parser
         return parser if parser is not None and parser.applies(request.chat_template_kwargs) else None
 
+    def _end_token_ids(self, parser: ReasoningParser) -> list[int]:
+        """The reasoning end tag's token ids (its standalone encoding)."""
+        return self.engine.tokenizer.encode(parser.end, add_special_tokens=False)
+
+    def _with_reasoning(self, request: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """``params`` marked for the engine's thinking phase (:mod:`kilat.core.reasoning`: the end tag's ids and
+        the thinking budget) when a reasoning parser splits this request.
+
+        Raises:
+            ValueError: a thinking budget without a reasoning parser, or an invalid one (naming the field).
+        """
+        budget = request.thinking_tokens
+        parser = self._reasoning(request)
+        if parser is None:
+            if budget is not None:
+                raise ValueError("thinking_token_budget needs a server started with --reasoning-parser (and a "
+                                 "request it applies to)")
+            return params
+        spec = {"end_token_ids": self._end_token_ids(parser), "thinking_token_budget": budget}
+        return dataclasses.replace(params, extra_args={**(params.extra_args or {}), REASONING_KEY: spec})
+
+    def _usage(self, request: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """:func:`usage`, with ``completion_tokens_details.reasoning_tokens`` (the output tokens before the end
+        tag's ids, as the engine counts them) when a reasoning parser splits this request."""
+        result = usage(outputs)
+        parser = self._reasoning(request)
+        if parser is not None:
+            end = self._end_token_ids(parser)
+            result["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_token_count(c.token_ids, end) for o in outputs for c in o.outputs)}
+        return result
+
     def _message(self, request: ChatCompletionRequest, plan: ToolPlan | None, completion: CompletionOutput
                  ) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished choice (content, with a reasoning parser ``reasoning_content`` and
@@ -161,7 +194,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         model = self.check_model(request.model)
         try:
-            plan, params = self._plan(request, request.to_sampling_params())
+            plan, params = self._plan(request, self._with_reasoning(request, request.to_sampling_params()))
             prompt = await self.render(request, plan.tools if plan is not None and plan.choice != "none" else None)
         except ValueError as e:
             raise bad_request(e, _FIELDS) from e
@@ -181,7 +214,7 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": self._logprobs(c, range(len(c.token_ids)), num_top),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": created(), "model": model,
-                "choices": choices, "usage": usage([output]), **kv_transfer_fields([output])}
+                "choices": choices, "usage": self._usage(request, [output]), **kv_transfer_fields([output])}
 
     async def _stream_tools(self, request: ChatCompletionRequest, model: str, response_id: str,
                             stream: RequestStream, plan: ToolPlan) -> AsyncIterator[str]:
@@ -210,7 +243,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                             "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
         if request.include_usage:
-            yield sse({**base, "choices": [], "usage": usage([final])})
+            yield sse({**base, "choices": [], "usage": self._usage(request, [final])})
         yield sse("[DONE]")
 
     async def _stream(self, request: ChatCompletionRequest, model: str, response_id: str, stream: RequestStream,
@@ -253,7 +286,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse("[DONE]")
             return
         if request.include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": usage([final])})
+            yield sse({**base, "choices": [], "usage": self._usage(request, [final])})
         yield sse("[DONE]")
 
 

@@ -60,22 +60,28 @@ class QuantizedExperts:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str, group_size: int | None = None) -> QuantizedExperts:
-        """Quantize ``weight [E, N, K]`` (any float dtype) as ``fmt`` (``group_size`` for ``int4``, dividing ``K``).
+        """Quantize ``weight [E, N, K]`` (any float dtype) as ``fmt`` (``group_size`` for ``int4``, dividing ``K``),
+        one expert at a time (the float32 temporaries are one expert's).
 
         Raises:
             ValueError: an unknown ``fmt``, or ``int4`` with a ``group_size`` that does not divide ``K``.
         """
-        if fmt == "int8":
-            return cls(fmt, *int8_values(weight))
-        if fmt == "fp8":
-            return cls(fmt, *quantize_fp8(weight, "channel"))
-        if fmt != "int4":
+        if fmt not in EXPERT_FORMATS:
             raise ValueError(f"quantized experts must be one of {EXPERT_FORMATS}, got {fmt!r}")
-        if group_size is None or weight.shape[-1] % group_size or weight.shape[-1] % 2:
+        if fmt == "int4" and (group_size is None or weight.shape[-1] % group_size or weight.shape[-1] % 2):
             raise ValueError(f"quantization_config.group_size {group_size} does not divide the experts' input size "
                              f"{weight.shape[-1]}")
-        q, scale, zero = int4_values(weight, group_size)
-        return cls(fmt, q[..., 0::2] | (q[..., 1::2] << 4), scale, zero)
+
+        def one(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if fmt == "int8":
+                return int8_values(w)
+            if fmt == "fp8":
+                return quantize_fp8(w, "channel")
+            q, scale, zero = int4_values(w, group_size)
+            return q[..., 0::2] | (q[..., 1::2] << 4), scale, zero
+
+        parts = [one(w) for w in weight]
+        return cls(fmt, *(torch.stack(column) for column in zip(*parts, strict=True)))
 
     @property
     def nbytes(self) -> int:
@@ -178,8 +184,7 @@ class ExpertQuantMethod:
             return [quantize_int8(w) for w in weight]
         if self.fmt == "int4":
             return [quantize_int4(w, self.group_size) for w in weight]
-        q, scale = quantize_fp8(weight, "channel")
-        return [Fp8Expert(q[e], scale[e]) for e in range(weight.shape[0])]
+        return [Fp8Expert(*quantize_fp8(w, "channel")) for w in weight]
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert's weights in ``dtype``: ``(w13 [E, 2 * I, H], w2 [E, H, I])`` (a reference; the forward
@@ -204,8 +209,9 @@ class ExpertQuantMethod:
             return looped_experts(x, self.w13, self.w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
         experts, ids = used_experts(topk_ids)
         w13, w2 = self.w13.dequantize(experts, x.dtype), self.w2.dequantize(experts, x.dtype)
-        if experts is not None and w13_bias is not None and w2_bias is not None:
-            w13_bias, w2_bias = w13_bias[experts], w2_bias[experts]
+        if experts is not None:
+            w13_bias = None if w13_bias is None else w13_bias[experts]
+            w2_bias = None if w2_bias is None else w2_bias[experts]
         return fused_experts(x, w13, w2, topk_weights, ids, activation, w13_bias, w2_bias)
 
     def describe(self) -> str:
