@@ -187,12 +187,17 @@ class SchedulerConfig:
         scheduling_policy: ``"fcfs"`` (arrival order) or ``"priority"`` (by each request's ``priority``, lower
             first, then arrival; preemption takes the lowest priority, newest first); see
             :mod:`kilat.core.request_queue`.
+        admission_headroom: admit a waiting request only if, after its blocks, one free block per running
+            request (per KV-cache group) and 1% of the cache stay free, so that running decodes can grow a block
+            each before anything is preempted (long, unpredictable decodes otherwise thrash: admit, preempt,
+            recompute). A request is always admitted when nothing runs.
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    admission_headroom: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -554,6 +559,7 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     scheduling_policy: str = SchedulerConfig.scheduling_policy
+    admission_headroom: bool = SchedulerConfig.admission_headroom
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = ExecutionConfig.attention_backend

@@ -9,9 +9,12 @@ from kilat.model_executor.request_state import CachedRequestState
 from kilat.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=False, chunked=True):
+def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=False, chunked=True, headroom=False):
+    """A scheduler over a fresh cache; the admission headroom is off unless asked for, so that small caches preempt
+    (what most tests here exercise)."""
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), kv, max_model_len=1024), kv
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked, admission_headroom=headroom), kv,
+                     max_model_len=1024), kv
 
 
 def req(rid, n, max_tokens=4):
@@ -165,7 +168,7 @@ def test_sliding_window_frees_blocks_and_the_runner_table_points_at_the_null_blo
     prefills and decodes; the runner's table (kept from the step data alone) equals the manager's, null blocks
     (id 0) included."""
     kv = KVCacheManager(16, 4, enable_caching=True, sliding_windows=(8,))
-    s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
+    s = Scheduler(SchedulerConfig(8, 8, True, admission_headroom=False), kv, max_model_len=1024)
     a = req("a", 20, max_tokens=12)
     s.add_request(a)
     states: dict[str, CachedRequestState] = {}
@@ -191,7 +194,7 @@ def test_sliding_window_preemption_and_resume_keep_tables_exact():
     finds its computed chunks in the prefix cache behind null blocks (the window's hit), so it still advances; the
     runner's tables (kept from the step data alone) equal the manager's throughout."""
     kv = KVCacheManager(7, 4, enable_caching=True, sliding_windows=(8,))
-    s = Scheduler(SchedulerConfig(8, 8, True), kv, max_model_len=1024)
+    s = Scheduler(SchedulerConfig(8, 8, True, admission_headroom=False), kv, max_model_len=1024)
     a = Request("a", list(range(1, 6)), SamplingParams(max_tokens=30), None)
     b = Request("b", list(range(50, 80)), SamplingParams(max_tokens=5), None)
     s.add_request(a)
@@ -210,3 +213,21 @@ def test_sliding_window_preemption_and_resume_keep_tables_exact():
     assert s.num_preemptions == 6 and resumed_nulls == [[0], [1], [2], [3], [4], [5]]
     assert (a.num_tokens, a.num_output_tokens, b.num_output_tokens) == (35, 30, 5)
     assert kv.num_free_blocks == 6
+
+
+def test_admission_headroom_keeps_a_block_per_running_request_and_avoids_thrashing():
+    """Five blocks of 4 tokens, two 7-token requests growing to 16: admitted together (headroom off) they fill the
+    cache and preempt each other as they grow; with the headroom the second waits until the first finishes."""
+    results = {}
+    for headroom in (False, True):
+        s, kv = make(num_blocks=5, budget=64, headroom=headroom)
+        s.add_request(req("a", 7, max_tokens=9))
+        s.add_request(req("b", 7, max_tokens=9))
+        out, _ = run_step(s)
+        finished = []
+        while s.num_unfinished:
+            finished += run_step(s)[1]
+        results[headroom] = (list(out.num_scheduled_tokens), s.num_preemptions, s.num_preempted_tokens)
+        assert sorted(r.num_output_tokens for r in finished) == [9, 9] and kv.num_free_blocks == 5
+    assert results[False][0] == ["a", "b"] and results[False][1] > 0 and results[False][2] > 0
+    assert results[True] == (["a"], 0, 0)  # 5 - 2 - 2 = 1 free would leave less than 1 running + 1% (1 block)

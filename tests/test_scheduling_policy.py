@@ -21,7 +21,8 @@ def req(rid: str, n: int, priority: int = 0, arrival: float = 0.0, max_tokens: i
 
 def make(policy: str, num_blocks: int = 64, max_seqs: int = 8) -> tuple[Scheduler, KVCacheManager]:
     kv = KVCacheManager(num_blocks, 4, False)
-    return Scheduler(SchedulerConfig(max_seqs, 64, True, policy), kv, max_model_len=1024), kv
+    return Scheduler(SchedulerConfig(max_seqs, 64, True, policy, admission_headroom=False), kv,
+                     max_model_len=1024), kv
 
 
 def run_step(s: Scheduler) -> tuple:

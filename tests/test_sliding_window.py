@@ -141,7 +141,8 @@ def test_a_request_longer_than_the_cache_completes(mistral, backend):
     hit_prompt = (long_prompt + long_want)[:64] + _random(g, 3)
     hit_want = _hf_greedy(hf, hit_prompt, 12)
     kwargs = {"dtype": "float32", "max_model_len": 128, "block_size": 4, "max_num_batched_tokens": 8,
-              "enable_prefix_caching": True, "skip_tokenizer_init": True, "attention_backend": backend}
+              "enable_prefix_caching": True, "skip_tokenizer_init": True, "attention_backend": backend,
+              "admission_headroom": False}  # admitted together, the requests preempt each other
     with pytest.raises(ValueError, match=r"the KV cache has 4 blocks besides the null block, fewer than the 5 that "
                                          r"one request may hold at once with sliding windows \[8\] \(one per KV-cache "
                                          r"group"):

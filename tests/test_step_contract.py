@@ -18,10 +18,11 @@ PROMPTS += [SHARED + [5, 6, 7], SHARED + [8, 9, 10]]
 
 
 def contract_engine_kwargs(**extra: Any) -> dict[str, Any]:
-    # 24 blocks of 8 tokens cannot hold 8 requests growing to ~60 + 16 tokens: running requests are preempted;
-    # a budget of 40 tokens chunks every prompt
+    # 24 blocks of 8 tokens cannot hold 8 requests growing to ~60 + 16 tokens: running requests are preempted
+    # (admitted without the admission headroom, which would mostly keep them waiting instead); a budget of 40
+    # tokens chunks every prompt
     return {"dtype": "float32", "max_model_len": 128, "block_size": 8, "num_gpu_blocks_override": 24,
-            "max_num_batched_tokens": 40, "enable_prefix_caching": True, **extra}
+            "max_num_batched_tokens": 40, "enable_prefix_caching": True, "admission_headroom": False, **extra}
 
 
 def generate_mixed(llm: LLM) -> list[list[int]]:

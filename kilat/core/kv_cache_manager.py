@@ -149,7 +149,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[list[KVBlock]] | None = None, num_lookahead_tokens: int = 0,
-                       cache: bool = True) -> bool:
+                       cache: bool = True, num_reserved_blocks: int = 0) -> bool:
         """Make room in every group's table for ``num_new_tokens`` more tokens after the computed ones, plus
         ``num_lookahead_tokens`` slots after them (where a draft model writes the KV of its drafts).
 
@@ -157,7 +157,8 @@ class KVCacheManager:
         admitted) are taken first. ``cache=False`` leaves the new full blocks out of the prefix cache (a KV
         connector has yet to load them; a later allocation registers them). With a sliding window, the running
         request's blocks behind a group's window are freed first. Returns False, changing nothing else, when too
-        few blocks are free for all the groups together.
+        few blocks are free for all the groups together, leaving ``num_reserved_blocks`` free (the scheduler's
+        admission headroom).
         """
         computed = computed_blocks or [[] for _ in range(self.num_groups)]
         rid = request.request_id
@@ -171,7 +172,7 @@ class KVCacheManager:
         needed = [num_required - (len(tables[g]) if tables is not None else 0) - len(computed[g])
                   for g in range(self.num_groups)]
         num_reusable_free = sum(1 for hits in computed for b in hits if b.ref_cnt == 0)
-        if sum(max(0, n) for n in needed) > self.pool.num_free_blocks - num_reusable_free:
+        if sum(max(0, n) for n in needed) > self.pool.num_free_blocks - num_reusable_free - num_reserved_blocks:
             return False
         for hits in computed:
             self.pool.touch(hits)

@@ -275,7 +275,8 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if not self.kv.allocate_slots(request, num_new, computed_blocks,
-                                          self._lookahead(request, num_hit + num_new)):
+                                          self._lookahead(request, num_hit + num_new),
+                                          num_reserved_blocks=self._admission_reserve()):
                 break
             self.waiting.pop()
             if request.status == RequestStatus.PREEMPTED:
@@ -292,6 +293,13 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _admission_reserve(self) -> int:
+        """Blocks an admission must leave free (``SchedulerConfig.admission_headroom``): one per running request
+        and KV-cache group, plus 1% of the cache; 0 when nothing runs or the headroom is off."""
+        if not self.config.admission_headroom or not self.running:
+            return 0
+        return len(self.running) * self.kv.num_groups + -(-self.kv.pool.num_usable_blocks // 100)
 
     def _first_admission(self, request: Request, num_hit: int) -> None:
         """At a request's first admission: count its prompt's prefix-cache lookup and start its schedule clock."""
