@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 
 import aiohttp
 import numpy as np
@@ -76,6 +77,8 @@ def test_throughputs_goodput_and_cost() -> None:
     assert summary["goodput"] == 0.5  # only the fast one meets TTFT <= 500 ms
     assert summary["output_throughput"] == 3.0 and summary["total_token_throughput"] == 13.0
     assert summary["cost_per_1m_output_tokens_usd"] == pytest.approx(3.6 / (3.0 * 3600) * 1e6)
+    assert summary["cost_per_request_usd"] == pytest.approx(3.6 * 2.0 / 3600 / 2)  # 2 s of hardware, 2 requests
+    assert re.search(r"cost per request \(USD\) +0\.001000", format_table(summary))
 
 
 @pytest.mark.parametrize("spec", [["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:fast"]])

@@ -19,6 +19,7 @@ SUMMARY_FIELDS = {
     "num_requests", "completed", "failed", "errors", "duration_s", "total_input_tokens", "total_output_tokens",
     "output_tokens_source", "request_throughput", "output_throughput", "total_token_throughput", "tokens_per_chunk",
     "ttft_s", "tpot_s", "itl_s", "e2el_s", "goodput", "slos_s", "cost_per_hour_usd", "cost_per_1m_output_tokens_usd",
+    "cost_per_request_usd",
     "endpoint", "model", "base_url", "request_rate", "max_concurrency", "prefix_cache_hit_rate",
     "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "spec_decode_acceptance_per_pos",
     "preemptions", "preemptions_per_1k_output_tokens", "preempted_tokens", "server_counter_deltas", "per_request",

@@ -118,7 +118,8 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         results: every request sent, failed ones included.
         duration: seconds from the first request sent to the last response finished.
         slos: goodput thresholds in seconds (see :func:`parse_goodput`).
-        cost_per_hour: hardware price in USD per hour, for the cost per 1M output tokens.
+        cost_per_hour: hardware price in USD per hour, for the cost per 1M output tokens and per completed request
+            (the run's hardware time, ``duration``, over its completed requests).
 
     Returns:
         A JSON-ready dict: counts, throughputs (per second), token totals, mean tokens per content chunk,
@@ -144,11 +145,13 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "itl_s": distribution([gap for r in ok for gap in r.itl]),
         "e2el_s": distribution([r.e2el for r in ok]),
         "goodput": None, "slos_s": slos or None,
-        "cost_per_hour_usd": cost_per_hour, "cost_per_1m_output_tokens_usd": None,
+        "cost_per_hour_usd": cost_per_hour, "cost_per_1m_output_tokens_usd": None, "cost_per_request_usd": None,
     }
     if slos:
         good = sum(meets_slos(r, slos) for r in results)
         summary["goodput"] = good / duration if duration > 0 else 0.0
     if cost_per_hour is not None and output_throughput > 0:
         summary["cost_per_1m_output_tokens_usd"] = cost_per_hour / (output_throughput * 3600) * 1e6
+    if cost_per_hour is not None and ok:
+        summary["cost_per_request_usd"] = cost_per_hour * duration / 3600 / len(ok)
     return summary

@@ -277,6 +277,8 @@ def format_table(summary: dict[str, Any]) -> str:
         rows.append(("preempted tokens (recomputed)", f"{summary['preempted_tokens']:.0f}"))
     if summary.get("cost_per_1m_output_tokens_usd") is not None:
         rows.append(("cost per 1M output tokens (USD)", f"{summary['cost_per_1m_output_tokens_usd']:.4f}"))
+    if summary.get("cost_per_request_usd") is not None:
+        rows.append(("cost per request (USD)", f"{summary['cost_per_request_usd']:.6f}"))
     for name in ("ttft", "tpot", "itl", "e2el"):
         d = summary[f"{name}_s"]
         if d["mean"] is None:
