@@ -369,8 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt (default: none, the template's own)")
     chat.set_defaults(func=cmd_chat)
     from kilat.bench.cli import add_bench_parser
+    from kilat.plan.cli import add_plan_parser
 
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -19,6 +19,12 @@ DUMMY_PRESETS: dict[str, dict] = {
         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    "llama-3-70b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
 }
 # Presets whose tokenizer is available offline (a model name for ``resolve_model_source``).
 PRESET_TOKENIZERS = {"smollm2-135m": "smollm2-135m-instruct"}

@@ -1,0 +1,50 @@
+"""The ``kilat plan`` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kilat.plan.hardware import HARDWARE, Hardware, probe_local
+from kilat.plan.planner import PlanConfig, format_plan, plan
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``kilat plan MODEL``."""
+    parser = sub.add_parser("plan", help="estimate what a model needs and how fast it runs on a machine (no weights "
+                                         "read)")
+    parser.add_argument("model", help="an HF directory, a .gguf, a config .json or a preset (llama-3-8b, "
+                                      "smollm2-135m)")
+    parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "this"],
+                        help="a preset (vendor figures, sources in the output) or 'this' (a quick probe of the "
+                             "local machine)")
+    parser.add_argument("--mem-bandwidth", type=float, default=None, help="GB/s, overrides the preset's")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit TFLOPS, overrides the preset's")
+    parser.add_argument("--memory", type=float, default=None, help="GB per device, overrides the preset's")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, default=None, help="context of the capacity and decode rows")
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens of the TTFT estimate")
+    parser.add_argument("--concurrency", type=int, default=1, help="sequences of the TPOT and cost estimates")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour for the whole machine")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the estimates as JSON here")
+    parser.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(ns: argparse.Namespace) -> None:
+    """Print (and with ``--json`` write) the plan."""
+    hardware = probe_local() if ns.hardware == "this" else HARDWARE[ns.hardware]
+    if ns.mem_bandwidth or ns.peak_tflops or ns.memory:
+        hardware = Hardware(f"{hardware.name} (overridden)", ns.memory or hardware.memory_gb,
+                            ns.mem_bandwidth or hardware.mem_bandwidth_gbs, ns.peak_tflops or hardware.peak_tflops,
+                            "given on the command line, else " + hardware.source)
+    config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
+                        ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
+    result = plan(config, hardware)
+    print(format_plan(result))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")
