@@ -12,8 +12,10 @@ from kilat.plan.planner import PlanConfig, format_plan, plan
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``kilat plan MODEL``."""
+    from kilat.entrypoints.cli import HelpFormatter
+
     parser = sub.add_parser("plan", help="estimate what a model needs and how fast it runs on a machine (no weights "
-                                         "read)")
+                                         "read)", formatter_class=HelpFormatter)
     parser.add_argument("model", help="an HF directory, a .gguf, a config .json or a preset (llama-3-8b, "
                                       "smollm2-135m)")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "this"],
@@ -22,14 +24,16 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--mem-bandwidth", type=float, default=None, help="GB/s, overrides the preset's")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit TFLOPS, overrides the preset's")
     parser.add_argument("--memory", type=float, default=None, help="GB per device, overrides the preset's")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's, else bfloat16)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                        help="an online method (default: none, or the checkpoint's own)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's: auto, int8, fp8, fp8_e5m2")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is split over")
     parser.add_argument("--max-model-len", type=int, default=None, help="context of the capacity and decode rows")
     parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens of the TTFT estimate")
     parser.add_argument("--concurrency", type=int, default=1, help="sequences of the TPOT and cost estimates")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of each device's memory for weights and KV")
     parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour for the whole machine")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the estimates as JSON here")
     parser.set_defaults(func=cmd_plan)
