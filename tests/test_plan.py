@@ -15,7 +15,7 @@ import torch
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS
 from kilat.plan.estimate import decode_point, profile_model
 from kilat.plan.hardware import HARDWARE, probe_local
-from kilat.plan.planner import PlanConfig, plan
+from kilat.plan.planner import PlanConfig, calibrate, plan
 from tests.test_models import CASES
 
 LLAMA = DUMMY_PRESETS["llama-3-8b"]
@@ -118,6 +118,29 @@ def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     assert "weights 16.06 GB" in run.stdout and "NVIDIA H200 datasheet: 4.8 TB/s" in run.stdout
     result = json.loads(out.read_text())
     assert result["decode"][0]["batch"] == 1 and result["decode"][0]["bound"] == "memory"
+    measured = tmp_path / "w2.json"
+    measured.write_text(json.dumps({"workload": "W2", "decode_tokens_per_s": 250.0}))
+    calibrated = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--hardware",
+                                 "h200", "--max-model-len", "8192", "--calibrate", str(measured)],
+                                capture_output=True, text=True, timeout=300)
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert "measured 250.0 tok/s against the roofline's 298.4: 0.84x" in calibrated.stdout
     bad = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--concurrency", "0"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "concurrency must be >= 1" in bad.stderr
+
+
+def test_calibrate_puts_a_measured_result_next_to_the_roofline() -> None:
+    result = plan(PlanConfig("llama-3-8b", max_model_len=256), HARDWARE["h100"])
+    ceiling = {p["batch"]: p["tokens_per_s"] for p in result["decode"]}
+    w2 = calibrate(result, {"workload": "W2", "decode_tokens_per_s": 100.0})
+    assert w2["batch"] == 1 and w2["measured_over_planned"] == pytest.approx(100.0 / ceiling[1])
+    serve = calibrate(result, {"output_throughput": 900.0, "max_concurrency": 8, "ttft_s": {"p50": 0.05},
+                               "tpot_s": {"p50": 0.009}})
+    assert serve["batch"] == 8 and serve["measured_over_planned"] == pytest.approx(900.0 / ceiling[8])
+    assert serve["measured_ttft_p50_s"] == 0.05 and serve["planned_tpot_s"] == result["tpot_s"]
+    for bad, message in (({"output_throughput": 1.0, "ttft_s": {}}, "needs its --max-concurrency"),
+                         ({"output_throughput": 1.0, "ttft_s": {}, "max_concurrency": 3}, "no decode row for batch 3"),
+                         ({"rows": []}, "expected a kilat bench latency or kilat bench serve result")):
+        with pytest.raises(ValueError, match=message):
+            calibrate(result, bad)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kilat.plan.hardware import HARDWARE, Hardware, probe_local
-from kilat.plan.planner import PlanConfig, format_plan, plan
+from kilat.plan.planner import PlanConfig, calibrate, format_plan, plan
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         help="share of each device's memory for weights and KV")
     parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour for the whole machine")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the estimates as JSON here")
+    parser.add_argument("--calibrate", default=None, metavar="RESULT.json",
+                        help="a kilat bench latency or serve result: its measured tokens/s next to the roofline's "
+                             "(give the run's --max-model-len as the context)")
     parser.set_defaults(func=cmd_plan)
 
 
@@ -49,6 +52,8 @@ def cmd_plan(ns: argparse.Namespace) -> None:
     config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
                         ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
     result = plan(config, hardware)
+    if ns.calibrate:
+        result["calibration"] = calibrate(result, json.loads(Path(ns.calibrate).read_text()))
     print(format_plan(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -121,6 +121,37 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
     return result
 
 
+def calibrate(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Put a measured ``kilat bench`` result next to :func:`plan`'s estimate: a ``kilat bench latency`` result
+    (W2: ``decode_tokens_per_s`` at batch 1, against the batch-1 decode ceiling) or a ``kilat bench serve`` result
+    (``output_throughput`` at its ``max_concurrency``, against the decode ceiling at that batch; TTFT and TPOT
+    medians against the estimates). The ceilings are at the plan's context (``--max-model-len``).
+
+    Returns:
+        ``{"source", "batch", "measured_tokens_per_s", "planned_tokens_per_s", "measured_over_planned", ...}``.
+
+    Raises:
+        ValueError: a result of neither kind.
+    """
+    if measured.get("workload") == "W2" and "decode_tokens_per_s" in measured:
+        batch, rate, source = 1, measured["decode_tokens_per_s"], "kilat bench latency (W2)"
+        extra: dict[str, Any] = {}
+    elif "output_throughput" in measured and "ttft_s" in measured:
+        if not measured.get("max_concurrency"):
+            raise ValueError("calibrate: a kilat bench serve result needs its --max-concurrency (the decode batch)")
+        batch, rate, source = measured["max_concurrency"], measured["output_throughput"], "kilat bench serve"
+        extra = {"measured_ttft_p50_s": measured["ttft_s"].get("p50"), "planned_ttft_s": result["ttft_s"],
+                 "measured_tpot_p50_s": measured.get("tpot_s", {}).get("p50"), "planned_tpot_s": result["tpot_s"]}
+    else:
+        raise ValueError("calibrate: expected a kilat bench latency or kilat bench serve result JSON")
+    rows = {p["batch"]: p["tokens_per_s"] for p in result["decode"]}
+    if batch not in rows:
+        raise ValueError(f"calibrate: the plan has no decode row for batch {batch} (rows: {sorted(rows)})")
+    planned = rows[batch]
+    return {"source": source, "batch": batch, "measured_tokens_per_s": rate, "planned_tokens_per_s": planned,
+            "measured_over_planned": rate / planned, **extra}
+
+
 def format_plan(result: dict[str, Any]) -> str:
     """The terminal table of :func:`plan`'s result."""
     hw = result["hardware"]
@@ -145,6 +176,11 @@ def format_plan(result: dict[str, Any]) -> str:
     for p in result["decode"]:
         lines.append(f"    {p['batch']:>5}   {p['tokens_per_s']:>11.1f}   {p['per_sequence_tokens_per_s']:>13.1f}   "
                      f"{p['step_s'] * 1e3:>7.2f}   {p['bound']:<8}  {p['intensity']:>9.1f}")
+    if result.get("calibration"):
+        c = result["calibration"]
+        lines.append(f"  calibration ({c['source']}, batch {c['batch']}): measured {c['measured_tokens_per_s']:.1f} "
+                     f"tok/s against the roofline's {c['planned_tokens_per_s']:.1f}: "
+                     f"{c['measured_over_planned']:.2f}x")
     if result["cost_per_1m_output_tokens_usd"] is not None:
         lines.append(f"  cost per 1M input tokens ${result['cost_per_1m_input_tokens_usd']:.4f}, per 1M output "
                      f"tokens ${result['cost_per_1m_output_tokens_usd']:.4f} (at the given concurrency)")
