@@ -125,6 +125,9 @@ def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=300)
     assert calibrated.returncode == 0, calibrated.stderr
     assert "measured 250.0 tok/s against the roofline's 298.4: 0.84x" in calibrated.stdout
+    missing = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--calibrate",
+                              str(tmp_path / "none.json")], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "--calibrate: cannot read" in missing.stderr
     bad = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--concurrency", "0"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "concurrency must be >= 1" in bad.stderr

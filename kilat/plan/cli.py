@@ -53,7 +53,11 @@ def cmd_plan(ns: argparse.Namespace) -> None:
                         ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
     result = plan(config, hardware)
     if ns.calibrate:
-        result["calibration"] = calibrate(result, json.loads(Path(ns.calibrate).read_text()))
+        try:
+            measured = json.loads(Path(ns.calibrate).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--calibrate: cannot read {ns.calibrate}: {e}") from None
+        result["calibration"] = calibrate(result, measured)
     print(format_plan(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -131,7 +131,8 @@ def calibrate(result: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any
         ``{"source", "batch", "measured_tokens_per_s", "planned_tokens_per_s", "measured_over_planned", ...}``.
 
     Raises:
-        ValueError: a result of neither kind.
+        ValueError: a result of neither kind, a serve result without ``max_concurrency``, or a batch the plan's
+            decode rows (:data:`BATCH_SIZES`) do not have.
     """
     if measured.get("workload") == "W2" and "decode_tokens_per_s" in measured:
         batch, rate, source = 1, measured["decode_tokens_per_s"], "kilat bench latency (W2)"
