@@ -51,6 +51,9 @@ class OpenAIServingChat(OpenAIServing):
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        # the end tag's standalone token ids, for the engine's thinking phase and the usage count (kilat.core.reasoning)
+        self._reasoning_end_ids = engine.tokenizer.encode(reasoning_parser.end, add_special_tokens=False) \
+            if reasoning_parser is not None and engine.tokenizer is not None else []
         self._template_worker: ChatTemplateWorker | None = None
 
     def _token_logprob(self, token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -138,10 +141,6 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.reasoning_parser
         return parser if parser is not None and parser.applies(request.chat_template_kwargs) else None
 
-    def _end_token_ids(self, parser: ReasoningParser) -> list[int]:
-        """The reasoning end tag's token ids (its standalone encoding)."""
-        return self.engine.tokenizer.encode(parser.end, add_special_tokens=False)
-
     def _with_reasoning(self, request: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
         """``params`` marked for the engine's thinking phase (:mod:`kilat.core.reasoning`: the end tag's ids and
         the thinking budget) when a reasoning parser splits this request.
@@ -156,18 +155,16 @@ class OpenAIServingChat(OpenAIServing):
                 raise ValueError("thinking_token_budget needs a server started with --reasoning-parser (and a "
                                  "request it applies to)")
             return params
-        spec = {"end_token_ids": self._end_token_ids(parser), "thinking_token_budget": budget}
+        spec = {"end_token_ids": self._reasoning_end_ids, "thinking_token_budget": budget}
         return dataclasses.replace(params, extra_args={**(params.extra_args or {}), REASONING_KEY: spec})
 
     def _usage(self, request: ChatCompletionRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
         """:func:`usage`, with ``completion_tokens_details.reasoning_tokens`` (the output tokens before the end
         tag's ids, as the engine counts them) when a reasoning parser splits this request."""
         result = usage(outputs)
-        parser = self._reasoning(request)
-        if parser is not None:
-            end = self._end_token_ids(parser)
+        if self._reasoning(request) is not None:
             result["completion_tokens_details"] = {"reasoning_tokens": sum(
-                reasoning_token_count(c.token_ids, end) for o in outputs for c in o.outputs)}
+                reasoning_token_count(c.token_ids, self._reasoning_end_ids) for o in outputs for c in o.outputs)}
         return result
 
     def _message(self, request: ChatCompletionRequest, plan: ToolPlan | None, completion: CompletionOutput
