@@ -16,6 +16,7 @@ from kilat.model_executor.loader.dummy import DUMMY_PRESETS
 from kilat.plan.estimate import decode_point, profile_model
 from kilat.plan.hardware import HARDWARE, probe_local
 from kilat.plan.planner import PlanConfig, calibrate, plan
+from kilat.plan.plot import roofline_points, save_roofline
 from tests.test_models import CASES
 
 LLAMA = DUMMY_PRESETS["llama-3-8b"]
@@ -105,16 +106,38 @@ def test_plan_fits_and_costs_and_bad_values_are_named() -> None:
         PlanConfig("llama-3-8b", concurrency=0)
 
 
-def test_local_probe_measures_positive_figures() -> None:
-    local = probe_local(seconds=0.2)
-    assert local.mem_bandwidth_gbs > 0.1 and local.peak_tflops > 0.001 and local.memory_gb > 1
+def test_local_probe_measures_the_plans_dtype() -> None:
+    for dtype, mib in ((torch.bfloat16, 256), (torch.float32, 512)):
+        local = probe_local(dtype, seconds=0.2)
+        assert local.mem_bandwidth_gbs > 0.1 and local.peak_tflops > 0.001 and local.memory_gb > 1
+        assert local.source.startswith(f"measured in {str(dtype).removeprefix('torch.')}: batch-1 matrix-vector "
+                                       f"products over {mib} MiB of weights")
+
+
+def test_roofline_points_sit_on_the_roof_and_the_measurement_below_it(tmp_path: Path) -> None:
+    result = plan(PlanConfig("llama-3-8b", max_model_len=8192), HARDWARE["h200"])
+    result["calibration"] = calibrate(result, {"workload": "W2", "decode_tokens_per_s": 188.0})
+    points = {label: (x, y) for label, x, y in roofline_points(result)}
+    assert len(points) == len(result["decode"]) + 2
+    for row in result["decode"]:  # memory-bound at 8k context: TFLOPS = intensity × 4.8 TB/s
+        x, y = points[f"decode B={row['batch']}"]
+        assert row["bound"] == "memory" and x == row["intensity"] and y == pytest.approx(x * 4.8)
+    x, y = points["prefill 1k"]  # compute-bound: on the 989 TFLOPS roof
+    assert x > 989 / 4.8 and y == pytest.approx(989)
+    x, y = points["measured B=1"]
+    assert x == result["decode"][0]["intensity"]
+    assert y == pytest.approx(points["decode B=1"][1] * 188.0 / result["decode"][0]["tokens_per_s"])
+    save_roofline(result, tmp_path / "roofline.png")
+    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     run = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--hardware", "h200",
-                          "--max-model-len", "8192", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                          "--max-model-len", "8192", "--json", str(out), "--plot", str(tmp_path / "plan.png")],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
     assert "weights 16.06 GB" in run.stdout and "NVIDIA H200 datasheet: 4.8 TB/s" in run.stdout
     result = json.loads(out.read_text())
     assert result["decode"][0]["batch"] == 1 and result["decode"][0]["bound"] == "memory"

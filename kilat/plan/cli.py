@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kilat.plan.hardware import HARDWARE, Hardware, probe_local
-from kilat.plan.planner import PlanConfig, calibrate, format_plan, plan
+from kilat.plan.planner import PlanConfig, calibrate, format_plan, load_profile, plan
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,8 +19,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model", help="an HF directory, a .gguf, a config .json or a preset (llama-3-8b, "
                                       "smollm2-135m)")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "this"],
-                        help="a preset (vendor figures, sources in the output) or 'this' (a quick probe of the "
-                             "local machine)")
+                        help="a preset (vendor figures, sources in the output) or 'this' (a few seconds' probe of the "
+                             "local device in the plan's dtype: decode-shaped GEMV bandwidth, GEMM throughput)")
     parser.add_argument("--mem-bandwidth", type=float, default=None, help="GB/s, overrides the preset's")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit TFLOPS, overrides the preset's")
     parser.add_argument("--memory", type=float, default=None, help="GB per device, overrides the preset's")
@@ -36,6 +36,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         help="share of each device's memory for weights and KV")
     parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour for the whole machine")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the estimates as JSON here")
+    parser.add_argument("--plot", default=None, metavar="PATH.png",
+                        help="also draw the roofline chart: the decode points per batch, a 1,000-token prefill and "
+                             "the --calibrate measurement on the hardware's roof")
     parser.add_argument("--calibrate", default=None, metavar="RESULT.json",
                         help="a kilat bench latency or serve result: its measured tokens/s next to the roofline's "
                              "(give the run's --max-model-len as the context)")
@@ -44,13 +47,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(ns: argparse.Namespace) -> None:
     """Print (and with ``--json`` write) the plan."""
-    hardware = probe_local() if ns.hardware == "this" else HARDWARE[ns.hardware]
+    config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
+                        ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
+    hardware = probe_local(load_profile(config)[2]) if ns.hardware == "this" else HARDWARE[ns.hardware]
     if ns.mem_bandwidth or ns.peak_tflops or ns.memory:
         hardware = Hardware(f"{hardware.name} (overridden)", ns.memory or hardware.memory_gb,
                             ns.mem_bandwidth or hardware.mem_bandwidth_gbs, ns.peak_tflops or hardware.peak_tflops,
                             "given on the command line, else " + hardware.source)
-    config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
-                        ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
     result = plan(config, hardware)
     if ns.calibrate:
         try:
@@ -61,3 +64,7 @@ def cmd_plan(ns: argparse.Namespace) -> None:
     print(format_plan(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")
+    if ns.plot:
+        from kilat.plan.plot import save_roofline
+
+        save_roofline(result, ns.plot)

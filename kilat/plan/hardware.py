@@ -7,7 +7,9 @@ practice); FLOPs are dense (no 2:4 sparsity) bfloat16/float16 tensor-core throug
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,36 +66,57 @@ HARDWARE: dict[str, Hardware] = {
 """``--hardware`` presets (``this`` probes the local machine instead)."""
 
 
-def probe_local(seconds: float = 1.0) -> Hardware:
-    """The local machine, measured: memory bandwidth by timing a large tensor copy (bytes read + written), 16-bit
-    matmul throughput by timing a bfloat16 matmul on the default device (CUDA when available, else the CPU), and
-    memory from ``torch.cuda`` or the OS. Each probe runs for about ``seconds``; the best of its repeats counts."""
+def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Hardware:
+    """The local machine, measured on the default device (CUDA when available, else the CPU) in ``dtype`` (the
+    plan's), through ``torch.nn.functional.linear`` as kilat's dense layers call it.
+
+    Memory bandwidth is what a batch-1 decode step reaches: matrix-vector products over weights well beyond any
+    cache (1 GiB on CUDA, 256 MiB on the CPU), weight bytes read per second. Matmul throughput is a linear layer
+    over many tokens (4,096 on CUDA, 256 on the CPU). Both are the rates of the kernels a model runs, not the
+    hardware's datasheet peaks: a CPU without native 16-bit arithmetic (AVX2) converts every bfloat16 weight, so
+    its 16-bit GEMV and GEMM run far below its memory bandwidth and float32 peak, and a plain copy (timed too, given
+    in ``source``) would overstate decode several times. Memory comes from ``torch.cuda`` or the OS. Each probe
+    runs for about ``seconds / 3``; the best of its repeats counts.
+
+    Returns:
+        a :class:`Hardware` named after the device.
+    """
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
 
-    def best(fn: object, work: float) -> float:  # work units per second, best of the repeats
-        fn()  # type: ignore[operator]
+    def best(fn: Callable[[], object], work: float) -> float:  # work units per second, best of the repeats
+        fn()
         rates, start = [], time.perf_counter()
-        while time.perf_counter() - start < seconds / 2 or len(rates) < 3:
+        while time.perf_counter() - start < seconds / 3 or len(rates) < 3:
             t = time.perf_counter()
-            fn()  # type: ignore[operator]
+            fn()
             if cuda:
                 torch.cuda.synchronize()
             rates.append(work / (time.perf_counter() - t))
         return max(rates)
 
-    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB, beyond any cache
+    # (out, in) of each weight and how many: 2 × 512 MiB (bfloat16) on CUDA, each GEMV outlasting a kernel launch;
+    # 16 × 16 MiB on the CPU, where a call's overhead is small against 16 MiB of reads
+    (rows, cols), count = ((16384, 16384), 2) if cuda else ((4096, 2048), 16)
+    weights = [torch.randn(rows, cols, device=device, dtype=dtype) for _ in range(count)]
+    x = torch.randn(1, cols, device=device, dtype=dtype)
+    bandwidth = best(lambda: [torch.nn.functional.linear(x, w) for w in weights],
+                     sum(w.numel() * w.element_size() for w in weights)) / 1e9
+    tokens, width = (4096, 4096) if cuda else (256, 2048)
+    xs = torch.randn(tokens, width, device=device, dtype=dtype)
+    w = weights[0][:width, :width]
+    flops = best(lambda: torch.nn.functional.linear(xs, w), 2 * tokens * width * width) / 1e12
+    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
     dst = torch.empty_like(src)
-    bandwidth = best(lambda: dst.copy_(src), 2 * src.numel() * 4) / 1e9
-    n = 2048 if cuda else 512
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    flops = best(lambda: a @ a, 2 * n**3) / 1e12
+    copy = best(lambda: dst.copy_(src), 2 * src.numel() * 4) / 1e9
     if cuda:
         memory = torch.cuda.get_device_properties(device).total_memory / 1e9
         name = torch.cuda.get_device_name(device)
     else:
-        import os
-
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
         name = f"this machine's CPU ({torch.get_num_threads()} threads)"
-    return Hardware(name, memory, bandwidth, flops, "measured: a 256 MiB tensor copy and a bfloat16 matmul")
+    kind = str(dtype).removeprefix("torch.")
+    return Hardware(name, memory, bandwidth, flops,
+                    f"measured in {kind}: batch-1 matrix-vector products over "
+                    f"{count * rows * cols * dtype.itemsize / 2**20:.0f} MiB of weights, a {tokens}-token linear "
+                    f"layer of width {width} (a 256 MiB copy ran at {copy:.0f} GB/s)")

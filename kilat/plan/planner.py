@@ -99,6 +99,7 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
     compute_bound = next((p["batch"] for p in decode if p["bound"] == "compute"), None)
     at_concurrency = decode_point(profile, bandwidth, tflops, config.concurrency, min(context, config.input_len))
     prefill_1k = prefill_seconds(profile, bandwidth, tflops, 1000)
+    prefill_bytes = profile.weight_bytes - profile.embedding_bytes + profile.kv_bytes(1000)
     ttft = prefill_seconds(profile, bandwidth, tflops, min(config.input_len, context))
     result = {
         "model": config.model, "architecture": profile.architecture, "dtype": str(dtype).removeprefix("torch."),
@@ -110,7 +111,10 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
         "usable_memory_gb": memory / GB, "fits": room > 0,
         "max_sequences_at_context": max(0, math.floor(room / kv_seq)) if kv_seq else None,
         "decode": decode, "compute_bound_from_batch": compute_bound,
+        "decode_flops_per_token": profile.token_flops(context),
         "prefill_s_per_1k_tokens": prefill_1k, "prefill_tokens_per_s": 1000 / prefill_1k,
+        "prefill_flops_per_token": profile.token_flops(1000, causal=True),
+        "prefill_intensity": 1000 * profile.token_flops(1000, causal=True) / prefill_bytes,
         "ttft_s": ttft, "tpot_s": at_concurrency.step_s,
         "decode_tokens_per_s_at_concurrency": at_concurrency.tokens_per_s,
         "cost_per_1m_input_tokens_usd": None, "cost_per_1m_output_tokens_usd": None,
