@@ -15,6 +15,7 @@ import torch
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS
 from kilat.plan.estimate import decode_point, profile_model
 from kilat.plan.hardware import HARDWARE, probe_local
+from kilat.plan.overhead import probe_step_overhead
 from kilat.plan.planner import PlanConfig, calibrate, plan
 from kilat.plan.plot import roofline_points, save_roofline
 from tests.test_models import CASES
@@ -50,6 +51,11 @@ def test_gqa_weights_kv_and_the_h200_decode_ceiling() -> None:
     flops = 2 * (PARAMS - V * H) + L * 2 * LLAMA["num_attention_heads"] * 2 * HEAD_DIM * 8192  # + attention
     big = decode_point(profile, 1.0, 1.0, 4096, 8192)
     assert big.intensity == pytest.approx(4096 * flops / (step - 131_072 + 4096 * 8192 * 131_072))
+    # kilat's own time per step adds to the roofline's; past both it is what bounds the step
+    slow = decode_point(profile, h200.mem_bandwidth_gbs, h200.peak_tflops, 1, 1, overhead_s=1e-3)
+    assert slow.bound == "memory" and slow.step_s == pytest.approx(step / 4.8e12 + 1e-3)
+    host = decode_point(profile, h200.mem_bandwidth_gbs, h200.peak_tflops, 1, 1, overhead_s=0.01)
+    assert host.bound == "overhead" and host.tokens_per_s == pytest.approx(1 / (step / 4.8e12 + 0.01))
 
 
 def test_int4_weights_and_fp8_kv_cache() -> None:
@@ -112,6 +118,20 @@ def test_local_probe_measures_the_plans_dtype() -> None:
         assert local.mem_bandwidth_gbs > 0.1 and local.peak_tflops > 0.001 and local.memory_gb > 1
         assert local.source.startswith(f"measured in {str(dtype).removeprefix('torch.')}: batch-1 matrix-vector "
                                        f"products over {mib} MiB of weights")
+
+
+def test_step_overhead_probe_times_kilats_own_steps() -> None:
+    few, many = probe_step_overhead(2, torch.float32, output_len=16), probe_step_overhead(24, torch.float32,
+                                                                                          output_len=16)
+    assert 0 < few < many < 1  # seconds a step; each layer adds its kernel launches
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        probe_step_overhead(0, torch.float32)
+    result = plan(PlanConfig("llama-3-8b", max_model_len=256, step_overhead_ms=2.0), HARDWARE["h200"])
+    pure = plan(PlanConfig("llama-3-8b", max_model_len=256), HARDWARE["h200"])
+    assert result["decode"][0]["step_s"] == pytest.approx(pure["decode"][0]["step_s"] + 2e-3)
+    assert result["ttft_s"] == pytest.approx(pure["ttft_s"] + 2e-3) and result["num_layers"] == L
+    with pytest.raises(ValueError, match="step_overhead_ms must be >= 0"):
+        PlanConfig("llama-3-8b", step_overhead_ms=-1)
 
 
 def test_roofline_points_sit_on_the_roof_and_the_measurement_below_it(tmp_path: Path) -> None:

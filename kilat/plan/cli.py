@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from kilat.plan.hardware import HARDWARE, Hardware, probe_local
+from kilat.plan.overhead import probe_step_overhead
 from kilat.plan.planner import PlanConfig, calibrate, format_plan, load_profile, plan
 
 
@@ -24,6 +26,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--mem-bandwidth", type=float, default=None, help="GB/s, overrides the preset's")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit TFLOPS, overrides the preset's")
     parser.add_argument("--memory", type=float, default=None, help="GB per device, overrides the preset's")
+    parser.add_argument("--step-overhead-ms", type=float, default=None,
+                        help="kilat's time per step beyond bytes and FLOPs (host work, kernel launches), added to "
+                             "each step; default: probed with --hardware this (a model of as many layers with "
+                             "negligible weights through kilat's engine), 0 with a preset (a pure roofline)")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's, else bfloat16)")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
                         help="an online method (default: none, or the checkpoint's own)")
@@ -48,8 +54,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(ns: argparse.Namespace) -> None:
     """Print (and with ``--json`` write) the plan."""
     config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
-                        ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour)
-    hardware = probe_local(load_profile(config)[2]) if ns.hardware == "this" else HARDWARE[ns.hardware]
+                        ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour,
+                        ns.step_overhead_ms or 0.0)
+    hardware = HARDWARE.get(ns.hardware)
+    if hardware is None:  # this: the device, then kilat's own step time on it
+        profile, _, dtype = load_profile(config)
+        hardware = probe_local(dtype)
+        if ns.step_overhead_ms is None:
+            overhead = probe_step_overhead(len(profile.kv_layers), dtype)
+            config = dataclasses.replace(config, step_overhead_ms=overhead * 1e3)
     if ns.mem_bandwidth or ns.peak_tflops or ns.memory:
         hardware = Hardware(f"{hardware.name} (overridden)", ns.memory or hardware.memory_gb,
                             ns.mem_bandwidth or hardware.mem_bandwidth_gbs, ns.peak_tflops or hardware.peak_tflops,

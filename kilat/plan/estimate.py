@@ -12,7 +12,8 @@ Inference").
   looks up, unless tied to the output projection; MoE experts as many as ``B`` tokens touch, ``E × (1 − (1 −
   k/E)^B)`` of each layer's ``E`` for top-``k`` routing) and every sequence's KV; it computes ``2 × active params``
   FLOPs per token plus attention, ``2 × heads × (qk_dim + v_dim)`` per context token and layer. Time is the larger
-  of bytes / bandwidth and FLOPs / peak (memory- or compute-bound).
+  of bytes / bandwidth and FLOPs / peak (memory- or compute-bound), plus the engine's fixed time per step when
+  one is given (``--hardware this`` probes it: :mod:`kilat.plan.overhead`).
 - **Prefill** of ``N`` tokens: the same FLOPs per token (attention over the causal half of the context), the
   weights read once.
 - **Tensor parallelism** ``T``: weights, KV and FLOPs split over ``T`` devices whose bandwidth and peak add up;
@@ -153,7 +154,8 @@ class DecodePoint:
 
     Attributes:
         batch: sequences decoded together; context: their tokens each.
-        step_s: seconds per step; bound: ``"memory"`` or ``"compute"``.
+        step_s: seconds per step; bound: ``"memory"``, ``"compute"`` or ``"overhead"`` (the engine's time per step
+            exceeds both).
         tokens_per_s: output tokens per second over all sequences; per_sequence_tokens_per_s: of one sequence.
         intensity: FLOPs per byte read (arithmetic intensity).
     """
@@ -168,19 +170,20 @@ class DecodePoint:
 
 
 def decode_point(profile: ModelProfile, hw_bandwidth_gbs: float, hw_tflops: float, batch: int,
-                 context: int) -> DecodePoint:
+                 context: int, overhead_s: float = 0.0) -> DecodePoint:
     """The roofline time of one decode step (module docs), on a machine of ``hw_bandwidth_gbs`` GB/s and
-    ``hw_tflops`` TFLOPS."""
+    ``hw_tflops`` TFLOPS, plus ``overhead_s`` seconds of engine time per step (:mod:`kilat.plan.overhead`)."""
     nbytes = profile.step_bytes(batch, context)
     flops = batch * profile.token_flops(context)
     memory_s, compute_s = nbytes / (hw_bandwidth_gbs * GB), flops / (hw_tflops * 1e12)
-    step = max(memory_s, compute_s)
-    return DecodePoint(batch, context, step, "memory" if memory_s >= compute_s else "compute", batch / step,
-                       1 / step, flops / nbytes)
+    step = max(memory_s, compute_s) + overhead_s
+    bound = "overhead" if overhead_s > max(memory_s, compute_s) else "memory" if memory_s >= compute_s else "compute"
+    return DecodePoint(batch, context, step, bound, batch / step, 1 / step, flops / nbytes)
 
 
-def prefill_seconds(profile: ModelProfile, hw_bandwidth_gbs: float, hw_tflops: float, tokens: int) -> float:
-    """Roofline seconds to prefill one prompt of ``tokens`` tokens (module docs)."""
+def prefill_seconds(profile: ModelProfile, hw_bandwidth_gbs: float, hw_tflops: float, tokens: int,
+                    overhead_s: float = 0.0) -> float:
+    """Roofline seconds to prefill one prompt of ``tokens`` tokens (module docs), plus one step's ``overhead_s``."""
     flops = tokens * profile.token_flops(tokens, causal=True)
     nbytes = profile.weight_bytes - profile.embedding_bytes + profile.kv_bytes(tokens)
-    return max(flops / (hw_tflops * 1e12), nbytes / (hw_bandwidth_gbs * GB))
+    return max(flops / (hw_tflops * 1e12), nbytes / (hw_bandwidth_gbs * GB)) + overhead_s

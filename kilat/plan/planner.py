@@ -37,6 +37,8 @@ class PlanConfig:
         input_len: prompt tokens of the TTFT estimate; concurrency: sequences of the TPOT estimate.
         gpu_memory_utilization: the share of each device's memory kilat may use.
         cost_per_hour: the machine's price in USD per hour (all ``tensor_parallel_size`` devices), or ``None``.
+        step_overhead_ms: the engine's time per step beyond bytes and FLOPs, in ms, added to every decode step and
+            to a prefill (:mod:`kilat.plan.overhead`; 0: a pure roofline).
 
     Raises:
         ValueError: a value out of range, named.
@@ -52,6 +54,7 @@ class PlanConfig:
     concurrency: int = 1
     gpu_memory_utilization: float = 0.9
     cost_per_hour: float | None = None
+    step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -65,6 +68,8 @@ class PlanConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cost_per_hour is not None and self.cost_per_hour < 0:
             raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour}")
+        if self.step_overhead_ms < 0:
+            raise ValueError(f"step_overhead_ms must be >= 0, got {self.step_overhead_ms}")
 
 
 def load_profile(config: PlanConfig) -> tuple[ModelProfile, int, torch.dtype]:
@@ -95,16 +100,19 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
     memory = hardware.memory_gb * tp * config.gpu_memory_utilization * GB
     kv_seq = profile.kv_bytes(context)
     room = memory - profile.weight_bytes
-    decode = [asdict(decode_point(profile, bandwidth, tflops, b, context)) for b in BATCH_SIZES]
+    overhead = config.step_overhead_ms / 1e3
+    decode = [asdict(decode_point(profile, bandwidth, tflops, b, context, overhead)) for b in BATCH_SIZES]
     compute_bound = next((p["batch"] for p in decode if p["bound"] == "compute"), None)
-    at_concurrency = decode_point(profile, bandwidth, tflops, config.concurrency, min(context, config.input_len))
-    prefill_1k = prefill_seconds(profile, bandwidth, tflops, 1000)
+    at_concurrency = decode_point(profile, bandwidth, tflops, config.concurrency, min(context, config.input_len),
+                                  overhead)
+    prefill_1k = prefill_seconds(profile, bandwidth, tflops, 1000, overhead)
     prefill_bytes = profile.weight_bytes - profile.embedding_bytes + profile.kv_bytes(1000)
-    ttft = prefill_seconds(profile, bandwidth, tflops, min(config.input_len, context))
+    ttft = prefill_seconds(profile, bandwidth, tflops, min(config.input_len, context), overhead)
     result = {
         "model": config.model, "architecture": profile.architecture, "dtype": str(dtype).removeprefix("torch."),
         "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": tp,
-        "hardware": asdict(hardware), "context": context,
+        "hardware": asdict(hardware), "step_overhead_ms": config.step_overhead_ms, "context": context,
+        "num_layers": len(profile.kv_layers),
         "num_params_b": profile.num_params / 1e9, "weight_gb": profile.weight_bytes / GB,
         "weight_gb_per_device": profile.weight_bytes / GB / tp,
         "kv_bytes_per_token": profile.kv_bytes(1), "kv_gb_per_sequence": kv_seq / GB,
@@ -165,7 +173,8 @@ def format_plan(result: dict[str, Any]) -> str:
         f"{', ' + result['quantization'] if result['quantization'] else ''}, KV {result['kv_cache_dtype']}) on "
         f"{result['tensor_parallel_size']} × {hw['name']}",
         f"  hardware: {hw['mem_bandwidth_gbs']:.0f} GB/s, {hw['peak_tflops']:.0f} TFLOPS, {hw['memory_gb']:.0f} GB "
-        f"({hw['source']})",
+        f"({hw['source']})" + (f"; kilat's own time per step {result['step_overhead_ms']:.2f} ms"
+                                if result["step_overhead_ms"] else ""),
         f"  weights {result['weight_gb']:.2f} GB ({result['weight_gb_per_device']:.2f} GB per device); KV "
         f"{result['kv_bytes_per_token']:.0f} bytes/token, {result['kv_gb_per_sequence']:.3f} GB per sequence of "
         f"{result['context']} tokens",
