@@ -1,8 +1,9 @@
 """``kilat serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of :class:`AsyncLLM`.
 
 Endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``, ``/version``,
-``/tokenize``, ``/detokenize`` and ``/metrics``. Every error is OpenAI's ``{"error": {...}}`` with a 4xx
-status for client mistakes. A client that disconnects, streaming or not, aborts its engine requests.
+``/tokenize``, ``/detokenize``, ``/metrics`` and the live dashboard at ``/dashboard`` (``dashboard.py``). Every
+error is OpenAI's ``{"error": {...}}`` with a 4xx status for client mistakes. A client that disconnects, streaming
+or not, aborts its engine requests.
 
 ``python -m kilat.entrypoints.openai.api_server [flags]`` is ``kilat serve [flags]`` (vLLM's command).
 """
@@ -10,6 +11,8 @@ status for client mistakes. A client that disconnects, streaming or not, aborts 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import json
@@ -36,6 +39,7 @@ import kilat
 from kilat.config import EngineArgs
 from kilat.engine.async_llm import AsyncLLM
 from kilat.engine.core_client import EngineDeadError
+from kilat.entrypoints.openai.dashboard import DASHBOARD_PATH, dashboard_router
 from kilat.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +56,7 @@ from kilat.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("kilat")
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", DASHBOARD_PATH)
 """Paths that need the API key when one is set; ``/health``, ``/version`` and ``/metrics`` stay open."""
 
 
@@ -137,21 +141,38 @@ class GuardMiddleware:
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
 
-    def _authorized(self, header: bytes) -> bool:
-        """``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235)."""
-        scheme, _, key = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key or b"")
+    def _authorized(self, header: bytes, basic: bool) -> bool:
+        """``Authorization: Bearer <key>`` (the scheme is case-insensitive, RFC 7235), or when ``basic`` also
+        ``Basic <base64 of user:key>`` (any user name; what a browser sends after its password prompt). A
+        malformed header is not authorized."""
+        scheme, _, credentials = header.partition(b" ")
+        scheme = scheme.lower()
+        if scheme == b"bearer":
+            key = credentials.strip()
+        elif scheme == b"basic" and basic:
+            try:
+                key = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except binascii.Error:
+                return False
+        else:
+            return False
+        return hmac.compare_digest(key, self.api_key or b"")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        dashboard = scope["path"].startswith(DASHBOARD_PATH)
         if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES) and \
-                not self._authorized(headers.get(b"authorization", b"")):
-            await _send_error(send, APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                             "authentication_error", code="invalid_api_key",
-                                             headers={"WWW-Authenticate": "Bearer"}))
+                not self._authorized(headers.get(b"authorization", b""), basic=dashboard):
+            # a browser prompts for a password on a Basic challenge: the dashboard takes the key as one
+            how = ("Authorization: Bearer <key>, or Basic with the key as password" if dashboard
+                   else "Authorization: Bearer <key>")
+            await _send_error(send, APIError(401, f"missing or invalid API key ({how})", "authentication_error",
+                                             code="invalid_api_key",
+                                             headers={"WWW-Authenticate": 'Basic realm="kilat"' if dashboard
+                                                      else "Bearer"}))
             return
         too_large = APIError(413, f"request body exceeds {self.max_body} bytes", code="request_too_large")
         length = headers.get(b"content-length")
@@ -345,6 +366,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    spec = engine.config.speculative
+    app.include_router(dashboard_router(stat_logger, names[0], spec.method if spec is not None else None))
 
     @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict[str, Any]:
