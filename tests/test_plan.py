@@ -121,11 +121,10 @@ def test_local_probe_measures_the_plans_dtype() -> None:
 
 
 def test_step_overhead_probe_times_kilats_own_steps() -> None:
-    few, many = probe_step_overhead(2, torch.float32, output_len=16), probe_step_overhead(24, torch.float32,
-                                                                                          output_len=16)
+    few, many = (probe_step_overhead(layers, 512, torch.float32, output_len=16) for layers in (2, 24))
     assert 0 < few < many < 1  # seconds a step; each layer adds its kernel launches
-    with pytest.raises(ValueError, match="num_layers must be >= 1"):
-        probe_step_overhead(0, torch.float32)
+    with pytest.raises(ValueError, match="num_layers must be >= 1, vocab_size >= 32"):
+        probe_step_overhead(0, 512, torch.float32)
     result = plan(PlanConfig("llama-3-8b", max_model_len=256, step_overhead_ms=2.0), HARDWARE["h200"])
     pure = plan(PlanConfig("llama-3-8b", max_model_len=256), HARDWARE["h200"])
     assert result["decode"][0]["step_s"] == pytest.approx(pure["decode"][0]["step_s"] + 2e-3)

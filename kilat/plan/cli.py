@@ -61,7 +61,7 @@ def cmd_plan(ns: argparse.Namespace) -> None:
         profile, _, dtype = load_profile(config)
         hardware = probe_local(dtype)
         if ns.step_overhead_ms is None:
-            overhead = probe_step_overhead(len(profile.kv_layers), dtype)
+            overhead = probe_step_overhead(len(profile.kv_layers), profile.vocab_size, dtype)
             config = dataclasses.replace(config, step_overhead_ms=overhead * 1e3)
     if ns.mem_bandwidth or ns.peak_tflops or ns.memory:
         hardware = Hardware(f"{hardware.name} (overridden)", ns.memory or hardware.memory_gb,

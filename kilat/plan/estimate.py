@@ -53,7 +53,7 @@ class ModelProfile:
     """What ``kilat plan`` needs of a model (module docs for the rules).
 
     Attributes:
-        architecture: the HF architecture.
+        architecture: the HF architecture; vocab_size: its vocabulary (logits per token).
         num_params: parameters (a tied embedding once).
         weight_bytes: bytes held, after quantization.
         embedding_bytes: the input embedding table's bytes when a decode step reads only its rows (untied), else 0.
@@ -65,6 +65,7 @@ class ModelProfile:
     """
 
     architecture: str
+    vocab_size: int
     num_params: int
     weight_bytes: float
     embedding_bytes: float
@@ -142,7 +143,8 @@ def profile_model(config: PretrainedConfig, dtype: torch.dtype, quant_config: Qu
         or head_dim
     v = getattr(config, "v_head_dim", None) or head_dim
     return ModelProfile(
-        architecture=architecture, num_params=num_params, weight_bytes=dense + sum(held.values()),
+        architecture=architecture, vocab_size=config.vocab_size, num_params=num_params,
+        weight_bytes=dense + sum(held.values()),
         embedding_bytes=0.0 if tied else embed.numel() * dtype.itemsize, experts=experts,
         flops_per_token=2 * flops_params, kv_layers=[(per_token, w) for w in windows],
         attention_flops_per_context_token=[(2 * heads * (qk + v), w) for w in windows])
