@@ -50,7 +50,8 @@ def main() -> None:
     measured = max((m for _, m in rounds), key=lambda m: m["decode_tokens_per_s"])
     ceiling = planned["decode"][0]["tokens_per_s"]
     rate = measured["decode_tokens_per_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=ROOT).stdout  # "-dirty": uncommitted changes were measured too
     out = {"run_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit.strip(),
            "machine": machine_info(), "command": " ".join(sys.argv), "hardware_probed": planned["hardware"],
            "planned_decode_tokens_per_s": ceiling, "planned_bound": planned["decode"][0]["bound"],

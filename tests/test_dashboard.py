@@ -248,6 +248,38 @@ def test_spec_decode_chart_and_server_restart(browser: Any, server: Server) -> N
         context.close()
 
 
+def test_polling_outlives_a_stats_read_that_never_answers(browser: Any, server: Server) -> None:
+    """A read the server never answers is given up after 5 s (the page says so) and polling goes on."""
+    base = stats(server)
+    served = itertools.count()
+    held: list[Any] = []
+
+    def handle(route: Any) -> None:
+        i = next(served)
+        if i == 2:
+            held.append(route)  # never answered
+            return
+        route.fulfill(status=200, content_type="application/json",
+                      body=json.dumps({**base, "time": base["time"] + i}))
+
+    context = browser.new_context(http_credentials={"username": "kilat", "password": API_KEY})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        page.route(server.url + "/dashboard/api/stats", handle)
+        assert page.goto(server.url + "/dashboard").status == 200
+        _wait_for(page, "document.getElementById('status').textContent === 'stats unavailable (no answer in 5 s)'",
+                  20)
+        assert page.evaluate("window.kilatDashboard.points()") == 2 and len(held) == 1
+        _wait_for(page, "window.kilatDashboard.points() >= 4", 20)
+        assert page.locator("#status").text_content() == "live"
+        assert errors == []
+    finally:
+        context.close()
+
+
 class _Load:
     """Rounds of ``concurrency`` completions of ``max_tokens`` tokens each, from a background thread, until
     :meth:`stop`; sums their ``usage.completion_tokens``."""

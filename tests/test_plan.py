@@ -14,7 +14,7 @@ import torch
 
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS
 from kilat.plan.estimate import decode_point, profile_model
-from kilat.plan.hardware import HARDWARE, probe_local
+from kilat.plan.hardware import HARDWARE, Hardware, probe_local
 from kilat.plan.overhead import probe_step_overhead
 from kilat.plan.planner import PlanConfig, calibrate, plan
 from kilat.plan.plot import roofline_points, save_roofline
@@ -113,7 +113,8 @@ def test_plan_fits_and_costs_and_bad_values_are_named() -> None:
 
 
 def test_local_probe_measures_the_plans_dtype() -> None:
-    for dtype, mib in ((torch.bfloat16, 256), (torch.float32, 512)):
+    bf16_mib = 1024 if torch.cuda.is_available() else 512
+    for dtype, mib in ((torch.bfloat16, bf16_mib), (torch.float32, 2 * bf16_mib)):
         local = probe_local(dtype, seconds=0.2)
         assert local.mem_bandwidth_gbs > 0.1 and local.peak_tflops > 0.001 and local.memory_gb > 1
         assert local.source.startswith(f"measured in {str(dtype).removeprefix('torch.')}: batch-1 matrix-vector "
@@ -129,8 +130,38 @@ def test_step_overhead_probe_times_kilats_own_steps() -> None:
     pure = plan(PlanConfig("llama-3-8b", max_model_len=256), HARDWARE["h200"])
     assert result["decode"][0]["step_s"] == pytest.approx(pure["decode"][0]["step_s"] + 2e-3)
     assert result["ttft_s"] == pytest.approx(pure["ttft_s"] + 2e-3) and result["num_layers"] == L
-    with pytest.raises(ValueError, match="step_overhead_ms must be >= 0"):
-        PlanConfig("llama-3-8b", step_overhead_ms=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="step_overhead_ms must be finite and >= 0"):
+            PlanConfig("llama-3-8b", step_overhead_ms=bad)
+    # the ridge batch is the bytes' and FLOPs' alone, whatever the engine's own time adds
+    small = Hardware("test device", 80, 300, 5, "test")
+    ridge = plan(PlanConfig("llama-3-8b", max_model_len=256), small)["compute_bound_from_batch"]
+    slow = plan(PlanConfig("llama-3-8b", max_model_len=256, step_overhead_ms=500), small)
+    assert ridge == 32 and slow["compute_bound_from_batch"] == 32 and slow["decode"][0]["bound"] == "overhead"
+
+
+def test_kilat_plan_hardware_this_and_its_refusals(tmp_path: Path) -> None:
+    def plan_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "smollm2-135m", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "this.json"
+    run = plan_cli("--hardware", "this", "--step-overhead-ms", "1.5", "--max-model-len", "256", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "kilat's own time per step 1.50 ms" in run.stdout
+    result = json.loads(out.read_text())
+    hw, row = result["hardware"], result["decode"][0]
+    assert hw["source"].startswith("measured in bfloat16: batch-1 matrix-vector products")
+    assert result["step_overhead_ms"] == 1.5 and result["num_layers"] == 30
+    flops = result["decode_flops_per_token"]  # batch 1: the step's bytes are its FLOPs over its intensity
+    roofline = max(flops / (hw["peak_tflops"] * 1e12), flops / row["intensity"] / (hw["mem_bandwidth_gbs"] * 1e9))
+    assert row["step_s"] == pytest.approx(roofline + 1.5e-3)
+    for args, message in ((("--hardware", "this", "--tensor-parallel-size", "64"), "machine has"),
+                          (("--plot", str(tmp_path / "none" / "x.png")), "--plot: no directory"),
+                          (("--plot", str(tmp_path / "x.unknown")), "--plot: cannot write"),
+                          (("--step-overhead-ms", "nan"), "step_overhead_ms must be finite")):
+        bad = plan_cli(*args)
+        assert bad.returncode == 2 and message in bad.stderr and bad.stdout == "", (args, bad.stderr)
 
 
 def test_roofline_points_sit_on_the_roof_and_the_measurement_below_it(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from kilat.plan.hardware import HARDWARE, Hardware, probe_local
 from kilat.plan.overhead import probe_step_overhead
 from kilat.plan.planner import PlanConfig, calibrate, format_plan, load_profile, plan
@@ -22,7 +24,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                                       "smollm2-135m)")
     parser.add_argument("--hardware", default="h100", choices=[*HARDWARE, "this"],
                         help="a preset (vendor figures, sources in the output) or 'this' (a few seconds' probe of the "
-                             "local device in the plan's dtype: decode-shaped GEMV bandwidth, GEMM throughput)")
+                             "local device in the plan's dtype: decode-shaped GEMV bandwidth, GEMM throughput, through "
+                             "the dense kernels; quantized kernels are not probed)")
     parser.add_argument("--mem-bandwidth", type=float, default=None, help="GB/s, overrides the preset's")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit TFLOPS, overrides the preset's")
     parser.add_argument("--memory", type=float, default=None, help="GB per device, overrides the preset's")
@@ -43,8 +46,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour for the whole machine")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the estimates as JSON here")
     parser.add_argument("--plot", default=None, metavar="PATH.png",
-                        help="also draw the roofline chart: the decode points per batch, a 1,000-token prefill and "
-                             "the --calibrate measurement on the hardware's roof")
+                        help="also draw the roofline chart (format from the extension: .png, .svg, .pdf): the decode "
+                             "points per batch, a 1,000-token prefill and the --calibrate measurement")
     parser.add_argument("--calibrate", default=None, metavar="RESULT.json",
                         help="a kilat bench latency or serve result: its measured tokens/s next to the roofline's "
                              "(give the run's --max-model-len as the context)")
@@ -52,13 +55,30 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
-    """Print (and with ``--json`` write) the plan."""
+    """Print the plan (and with ``--json`` write it, with ``--plot`` draw its roofline chart). ``--hardware this``
+    probes the local device (:func:`~kilat.plan.hardware.probe_local`) and, unless ``--step-overhead-ms`` is
+    given, kilat's own time per step (:func:`~kilat.plan.overhead.probe_step_overhead`).
+
+    Raises:
+        ValueError: a bad value (named), ``--hardware this`` with more tensor-parallel devices than the machine
+            has, an unreadable ``--calibrate`` file or an unwritable ``--plot``/``--json`` path (checked before
+            anything is printed).
+    """
     config = PlanConfig(ns.model, ns.dtype, ns.quantization, ns.kv_cache_dtype, ns.tensor_parallel_size,
                         ns.max_model_len, ns.input_len, ns.concurrency, ns.gpu_memory_utilization, ns.cost_per_hour,
                         ns.step_overhead_ms or 0.0)
+    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag}: no directory {str(Path(path).resolve().parent)!r} to write {path!r} in")
+    loaded = load_profile(config)
     hardware = HARDWARE.get(ns.hardware)
     if hardware is None:  # this: the device, then kilat's own step time on it
-        profile, _, dtype = load_profile(config)
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        if config.tensor_parallel_size > devices:
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} with --hardware this: this "
+                             f"machine has {devices} device(s) to probe (give a preset or --mem-bandwidth, "
+                             "--peak-tflops and --memory per device instead)")
+        profile, _, dtype = loaded
         hardware = probe_local(dtype)
         if ns.step_overhead_ms is None:
             overhead = probe_step_overhead(len(profile.kv_layers), profile.vocab_size, dtype)
@@ -67,17 +87,20 @@ def cmd_plan(ns: argparse.Namespace) -> None:
         hardware = Hardware(f"{hardware.name} (overridden)", ns.memory or hardware.memory_gb,
                             ns.mem_bandwidth or hardware.mem_bandwidth_gbs, ns.peak_tflops or hardware.peak_tflops,
                             "given on the command line, else " + hardware.source)
-    result = plan(config, hardware)
+    result = plan(config, hardware, loaded)
     if ns.calibrate:
         try:
             measured = json.loads(Path(ns.calibrate).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--calibrate: cannot read {ns.calibrate}: {e}") from None
         result["calibration"] = calibrate(result, measured)
-    print(format_plan(result))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")
     if ns.plot:
         from kilat.plan.plot import save_roofline
 
-        save_roofline(result, ns.plot)
+        try:
+            save_roofline(result, ns.plot)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--plot: cannot write {ns.plot}: {e}") from None
+    print(format_plan(result))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -84,6 +84,11 @@ class ModelProfile:
         dense = self.weight_bytes - self.embedding_bytes - sum(b for b, _, _ in self.experts)
         return dense + experts + batch * self.kv_bytes(context)
 
+    def prefill_bytes(self, tokens: int) -> float:
+        """Bytes a prefill of ``tokens`` tokens reads and writes: the weights once (not the input embedding table
+        when only its rows are looked up) and the prompt's KV."""
+        return self.weight_bytes - self.embedding_bytes + self.kv_bytes(tokens)
+
     def token_flops(self, context: int, causal: bool = False) -> float:
         """FLOPs of one token at ``context`` tokens of context (``causal``: the average over a prefill of
         ``context`` tokens, half the context)."""
@@ -187,5 +192,4 @@ def prefill_seconds(profile: ModelProfile, hw_bandwidth_gbs: float, hw_tflops: f
                     overhead_s: float = 0.0) -> float:
     """Roofline seconds to prefill one prompt of ``tokens`` tokens (module docs), plus one step's ``overhead_s``."""
     flops = tokens * profile.token_flops(tokens, causal=True)
-    nbytes = profile.weight_bytes - profile.embedding_bytes + profile.kv_bytes(tokens)
-    return max(flops / (hw_tflops * 1e12), nbytes / (hw_bandwidth_gbs * GB)) + overhead_s
+    return max(flops / (hw_tflops * 1e12), profile.prefill_bytes(tokens) / (hw_bandwidth_gbs * GB)) + overhead_s

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kilat.bench.mbu import measure_bandwidth
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -71,12 +73,13 @@ def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Ha
     plan's), through ``torch.nn.functional.linear`` as kilat's dense layers call it.
 
     Memory bandwidth is what a batch-1 decode step reaches: matrix-vector products over weights well beyond any
-    cache (1 GiB on CUDA, 256 MiB on the CPU), weight bytes read per second. Matmul throughput is a linear layer
-    over many tokens (4,096 on CUDA, 256 on the CPU). Both are the rates of the kernels a model runs, not the
-    hardware's datasheet peaks: a CPU without native 16-bit arithmetic (AVX2) converts every bfloat16 weight, so
-    its 16-bit GEMV and GEMM run far below its memory bandwidth and float32 peak, and a plain copy (timed too, given
-    in ``source``) would overstate decode several times. Memory comes from ``torch.cuda`` or the OS. Each probe
-    runs for about ``seconds / 3``; the best of its repeats counts.
+    cache (1 GiB on CUDA, 512 MiB on the CPU, in bfloat16; twice that in float32), weight bytes read per second.
+    Matmul throughput is a linear layer over many tokens (4,096 on CUDA, 256 on the CPU). Both are the rates of the
+    dense kernels a model runs, not the hardware's datasheet peaks (quantized kernels are not probed): a CPU
+    without native 16-bit arithmetic (AVX2) converts every bfloat16 weight, so its 16-bit GEMV and GEMM run far
+    below its memory bandwidth and float32 peak, and a plain copy (:func:`kilat.bench.mbu.measure_bandwidth`,
+    given in ``source``) would overstate decode several times. Memory comes from ``torch.cuda`` or the OS. Each
+    probe runs for about ``seconds / 3``; the best of its repeats counts.
 
     Returns:
         a :class:`Hardware` named after the device.
@@ -86,6 +89,8 @@ def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Ha
 
     def best(fn: Callable[[], object], work: float) -> float:  # work units per second, best of the repeats
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         rates, start = [], time.perf_counter()
         while time.perf_counter() - start < seconds / 3 or len(rates) < 3:
             t = time.perf_counter()
@@ -96,8 +101,8 @@ def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Ha
         return max(rates)
 
     # (out, in) of each weight and how many: 2 × 512 MiB (bfloat16) on CUDA, each GEMV outlasting a kernel launch;
-    # 16 × 16 MiB on the CPU, where a call's overhead is small against 16 MiB of reads
-    (rows, cols), count = ((16384, 16384), 2) if cuda else ((4096, 2048), 16)
+    # 32 × 16 MiB on the CPU (beyond the largest L3s), a call's overhead small against 16 MiB of reads
+    (rows, cols), count = ((16384, 16384), 2) if cuda else ((4096, 2048), 32)
     weights = [torch.randn(rows, cols, device=device, dtype=dtype) for _ in range(count)]
     x = torch.randn(1, cols, device=device, dtype=dtype)
     bandwidth = best(lambda: [torch.nn.functional.linear(x, w) for w in weights],
@@ -106,9 +111,7 @@ def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Ha
     xs = torch.randn(tokens, width, device=device, dtype=dtype)
     w = weights[0][:width, :width]
     flops = best(lambda: torch.nn.functional.linear(xs, w), 2 * tokens * width * width) / 1e12
-    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
-    dst = torch.empty_like(src)
-    copy = best(lambda: dst.copy_(src), 2 * src.numel() * 4) / 1e9
+    copy = measure_bandwidth(256 * 2**20, device=device) / 1e9
     if cuda:
         memory = torch.cuda.get_device_properties(device).total_memory / 1e9
         name = torch.cuda.get_device_name(device)

@@ -6,7 +6,8 @@ decodes at a few percent of its H200 roofline, host-bound, and a two-core CPU sp
 the matrix products). The probe runs a Llama with the target's number of layers and vocabulary but negligible
 weights (hidden size 64) through kilat's engine on the local device, and times its batch-1 decode steps: what
 remains is the overhead a model of as many layers and logits pays on this machine too. The plan adds it to each
-roofline step (Williams et al.'s roofline, plus a latency floor).
+roofline step (Williams et al.'s roofline plus a fixed time per step: kilat's steps do not overlap host work
+with the device's).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def probe_step_overhead(num_layers: int, vocab_size: int, dtype: torch.dtype, ou
         path = Path(tmp) / "config.json"
         config.to_json_file(path)
         with LLM(model=str(path), load_format="dummy", dtype=dtype_name(dtype), skip_tokenizer_init=True,
-                 max_model_len=256, num_gpu_blocks_override=64, enable_prefix_caching=False, seed=0) as llm:
+                 max_model_len=256, max_num_seqs=1, num_gpu_blocks_override=64, enable_prefix_caching=False,
+                 seed=0) as llm:
             prompt = list(range(1, 17))
             rates = [timed_request(llm.engine, f"overhead-{i}", prompt, output_len)["decode_tokens_per_s"]
                      for i in range(4)][1:]

@@ -68,8 +68,8 @@ class PlanConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cost_per_hour is not None and self.cost_per_hour < 0:
             raise ValueError(f"cost_per_hour must be >= 0, got {self.cost_per_hour}")
-        if self.step_overhead_ms < 0:
-            raise ValueError(f"step_overhead_ms must be >= 0, got {self.step_overhead_ms}")
+        if not 0 <= self.step_overhead_ms < math.inf:
+            raise ValueError(f"step_overhead_ms must be finite and >= 0, got {self.step_overhead_ms}")
 
 
 def load_profile(config: PlanConfig) -> tuple[ModelProfile, int, torch.dtype]:
@@ -88,13 +88,15 @@ def load_profile(config: PlanConfig) -> tuple[ModelProfile, int, torch.dtype]:
     return profile, context, dtype
 
 
-def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
+def plan(config: PlanConfig, hardware: Hardware,
+         loaded: tuple[ModelProfile, int, torch.dtype] | None = None) -> dict[str, Any]:
     """Every estimate of ``kilat plan`` as JSON-ready data (bytes in GB, times in seconds, rates per second).
+    ``loaded`` is :func:`load_profile`'s result for ``config`` when the caller has it already.
 
     Raises:
         ValueError: as :func:`load_profile`.
     """
-    profile, context, dtype = load_profile(config)
+    profile, context, dtype = loaded or load_profile(config)
     tp = config.tensor_parallel_size
     bandwidth, tflops = hardware.mem_bandwidth_gbs * tp, hardware.peak_tflops * tp
     memory = hardware.memory_gb * tp * config.gpu_memory_utilization * GB
@@ -102,11 +104,12 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
     room = memory - profile.weight_bytes
     overhead = config.step_overhead_ms / 1e3
     decode = [asdict(decode_point(profile, bandwidth, tflops, b, context, overhead)) for b in BATCH_SIZES]
-    compute_bound = next((p["batch"] for p in decode if p["bound"] == "compute"), None)
+    # the ridge: the first batch whose FLOPs outlast its bytes, whatever the engine's own time adds
+    compute_bound = next((b for b in BATCH_SIZES if decode_point(profile, bandwidth, tflops, b, context).bound
+                          == "compute"), None)
     at_concurrency = decode_point(profile, bandwidth, tflops, config.concurrency, min(context, config.input_len),
                                   overhead)
     prefill_1k = prefill_seconds(profile, bandwidth, tflops, 1000, overhead)
-    prefill_bytes = profile.weight_bytes - profile.embedding_bytes + profile.kv_bytes(1000)
     ttft = prefill_seconds(profile, bandwidth, tflops, min(config.input_len, context), overhead)
     result = {
         "model": config.model, "architecture": profile.architecture, "dtype": str(dtype).removeprefix("torch."),
@@ -122,7 +125,7 @@ def plan(config: PlanConfig, hardware: Hardware) -> dict[str, Any]:
         "decode_flops_per_token": profile.token_flops(context),
         "prefill_s_per_1k_tokens": prefill_1k, "prefill_tokens_per_s": 1000 / prefill_1k,
         "prefill_flops_per_token": profile.token_flops(1000, causal=True),
-        "prefill_intensity": 1000 * profile.token_flops(1000, causal=True) / prefill_bytes,
+        "prefill_intensity": 1000 * profile.token_flops(1000, causal=True) / profile.prefill_bytes(1000),
         "ttft_s": ttft, "tpot_s": at_concurrency.step_s,
         "decode_tokens_per_s_at_concurrency": at_concurrency.tokens_per_s,
         "cost_per_1m_input_tokens_usd": None, "cost_per_1m_output_tokens_usd": None,
@@ -172,7 +175,7 @@ def format_plan(result: dict[str, Any]) -> str:
         f"{result['model']} ({result['architecture']}, {result['num_params_b']:.2f}B params, {result['dtype']}"
         f"{', ' + result['quantization'] if result['quantization'] else ''}, KV {result['kv_cache_dtype']}) on "
         f"{result['tensor_parallel_size']} × {hw['name']}",
-        f"  hardware: {hw['mem_bandwidth_gbs']:.0f} GB/s, {hw['peak_tflops']:.0f} TFLOPS, {hw['memory_gb']:.0f} GB "
+        f"  hardware: {hw['mem_bandwidth_gbs']:.0f} GB/s, {hw['peak_tflops']:.3g} TFLOPS, {hw['memory_gb']:.0f} GB "
         f"({hw['source']})" + (f"; kilat's own time per step {result['step_overhead_ms']:.2f} ms"
                                 if result["step_overhead_ms"] else ""),
         f"  weights {result['weight_gb']:.2f} GB ({result['weight_gb_per_device']:.2f} GB per device); KV "
@@ -184,7 +187,8 @@ def format_plan(result: dict[str, Any]) -> str:
         f"  prefill {result['prefill_s_per_1k_tokens'] * 1e3:.1f} ms per 1,000 tokens "
         f"({result['prefill_tokens_per_s']:.0f} tok/s); TTFT {result['ttft_s'] * 1e3:.1f} ms, TPOT "
         f"{result['tpot_s'] * 1e3:.2f} ms at the given input length and concurrency",
-        "  decode roofline at the full context:",
+        "  decode at the full context (roofline" + (" + kilat's own time per step" if result["step_overhead_ms"]
+                                                     else "") + "):",
         "    batch   tok/s total   tok/s per seq   step ms   bound     FLOP/byte",
     ]
     for p in result["decode"]:

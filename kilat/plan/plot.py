@@ -18,10 +18,10 @@ def roofline_points(result: dict[str, Any]) -> list[tuple[str, float, float]]:
     """The chart's points from :func:`~kilat.plan.planner.plan`'s result (with its ``calibration`` if any).
 
     Returns:
-        ``(label, FLOP per byte, TFLOPS)`` for each decode batch (``"decode B=…"``: tokens/s times FLOPs per token,
-        on the roof as the estimate is the roofline's), the prefill of 1,000 tokens (``"prefill 1k"``) and the
-        measured decode (``"measured B=…"``: its tokens/s times the FLOPs per token, at the calibrated batch's
-        intensity, below the roof by the measured/roofline ratio).
+        ``(label, FLOP per byte, TFLOPS)`` for each decode batch (``"decode B=…"``: tokens/s times FLOPs per token:
+        on the roof for a pure roofline, below it by kilat's own time per step when the plan has one), the prefill
+        of 1,000 tokens (``"prefill 1k"``) and the measured decode (``"measured B=…"``: its tokens/s times the FLOPs
+        per token, at the calibrated batch's intensity, below the estimate by the measured/estimate ratio).
     """
     per_token = result["decode_flops_per_token"]
     points = [(f"decode B={p['batch']}", p["intensity"], p["tokens_per_s"] * per_token / 1e12)
@@ -37,11 +37,11 @@ def roofline_points(result: dict[str, Any]) -> list[tuple[str, float, float]]:
 
 
 def save_roofline(result: dict[str, Any], path: str | Path) -> None:
-    """Write the roofline chart of ``result`` as a PNG (log-log: the bandwidth slope up to the ridge point, then the
-    compute roof; every :func:`roofline_points` point labelled).
+    """Write the roofline chart of ``result`` (log-log: the bandwidth slope up to the ridge point, then the compute
+    roof; every :func:`roofline_points` point labelled) in the format of ``path``'s extension (PNG, SVG, PDF).
 
     Raises:
-        OSError: ``path`` cannot be written.
+        OSError: ``path`` cannot be written; ValueError: an extension matplotlib cannot write.
     """
     hw, tp = result["hardware"], result["tensor_parallel_size"]
     bandwidth_tbs, peak = hw["mem_bandwidth_gbs"] * tp / 1e3, hw["peak_tflops"] * tp

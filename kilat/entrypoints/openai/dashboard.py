@@ -131,6 +131,10 @@ def dashboard_router(stat_logger: PrometheusStatLogger, model: str, spec_decode_
         stat_logger: the server's metrics.
         model: the served model name shown on the page.
         spec_decode_method: the speculative decoding method, ``None`` when it is off (no acceptance chart).
+
+    Returns:
+        a router with ``GET /dashboard``, ``GET /dashboard/static/{name}`` (404 in OpenAI's error format for a name
+        it does not serve) and ``GET /dashboard/api/stats`` (:func:`stats_snapshot`).
     """
     router = APIRouter(include_in_schema=False)
 

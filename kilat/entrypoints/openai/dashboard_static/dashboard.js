@@ -5,6 +5,7 @@
   "use strict";
 
   const POLL_MS = 1000;
+  const FETCH_TIMEOUT_MS = 5000;
   const WINDOW_S = 300;
   const STATS_URL = "dashboard/api/stats";
   const COLORS = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5"];
@@ -206,13 +207,17 @@
   }
 
   async function poll() {
+    clearTimeout(timer); // one polling chain, however poll() was reached
     timer = null;
     if (inFlight || !visible()) {
       return;
     }
     inFlight = true;
+    const controller = new AbortController(); // a server that never answers must not stop the polling
+    const deadline = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
     try {
-      const response = await fetch(STATS_URL, {cache: "no-store", credentials: "same-origin"});
+      const response = await fetch(STATS_URL, {cache: "no-store", credentials: "same-origin",
+                                               signal: controller.signal});
       if (!response.ok) {
         setStatus(`stats: HTTP ${response.status}`, "error");
       } else {
@@ -223,8 +228,10 @@
         }
       }
     } catch (e) {
-      setStatus(`server unreachable (${e.message})`, "error");
+      const why = e.name === "AbortError" ? `no answer in ${FETCH_TIMEOUT_MS / 1000} s` : e.message;
+      setStatus(`stats unavailable (${why})`, "error");
     } finally {
+      clearTimeout(deadline);
       inFlight = false;
       schedule();
     }
@@ -236,7 +243,7 @@
     } else {
       clearTimeout(timer);
       timer = null;
-      prevSnapshot = null; // the hidden time is a gap in the charts, not one long interval
+      prevSnapshot = null; // no interval spans the hidden time: the next starts when the tab is shown
       setStatus("paused (tab hidden)", "paused");
     }
   });
