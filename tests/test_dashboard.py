@@ -10,6 +10,7 @@ dashboard under load is saved in the test's ``tmp_path`` and, when set, to ``$KI
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -212,6 +213,24 @@ def test_browser_without_the_key_gets_no_dashboard(browser: Any, server: Server,
         context.close()
 
 
+@contextlib.contextmanager
+def _dashboard_page(browser: Any, server: Server, stats_route: Any = None,
+                    **context_args: Any) -> Iterator[tuple[Any, list[str]]]:
+    """A page of a new browser context that holds the API key, and the console and page errors it collects; with
+    ``stats_route`` the page's stats reads go to that Playwright route handler instead of the server."""
+    context = browser.new_context(http_credentials={"username": "kilat", "password": API_KEY}, **context_args)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        if stats_route is not None:
+            page.route(server.url + "/dashboard/api/stats", stats_route)
+        yield page, errors
+    finally:
+        context.close()
+
+
 def test_spec_decode_chart_and_server_restart(browser: Any, server: Server) -> None:
     """With speculative decoding on the acceptance chart shows accepted / drafted tokens per interval; counters that
     go down (another server answering) give an empty interval, not negative rates. The stats are the server's
@@ -229,13 +248,7 @@ def test_spec_decode_chart_and_server_restart(browser: Any, server: Server) -> N
     def fulfill(route: Any) -> None:
         route.fulfill(status=200, content_type="application/json", body=json.dumps(snapshot(next(served))))
 
-    context = browser.new_context(http_credentials={"username": "kilat", "password": API_KEY})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-    try:
-        page.route(server.url + "/dashboard/api/stats", fulfill)
+    with _dashboard_page(browser, server, fulfill) as (page, errors):
         assert page.goto(server.url + "/dashboard").status == 200
         _wait_for(page, "window.kilatDashboard && window.kilatDashboard.points() >= 6")
         assert page.locator("#chart-spec").is_visible() and page.locator("#chart-spec canvas").count() == 1
@@ -244,8 +257,6 @@ def test_spec_decode_chart_and_server_restart(browser: Any, server: Server) -> N
             [(None, None), (50, 70), (50, 70), (50, 70), (None, None), (50, 70)]
         assert page.locator("#now-spec").text_content() == "70.0 %"
         assert errors == []
-    finally:
-        context.close()
 
 
 def test_polling_outlives_a_stats_read_that_never_answers(browser: Any, server: Server) -> None:
@@ -262,13 +273,7 @@ def test_polling_outlives_a_stats_read_that_never_answers(browser: Any, server: 
         route.fulfill(status=200, content_type="application/json",
                       body=json.dumps({**base, "time": base["time"] + i}))
 
-    context = browser.new_context(http_credentials={"username": "kilat", "password": API_KEY})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-    try:
-        page.route(server.url + "/dashboard/api/stats", handle)
+    with _dashboard_page(browser, server, handle) as (page, errors):
         assert page.goto(server.url + "/dashboard").status == 200
         _wait_for(page, "document.getElementById('status').textContent === 'stats unavailable (no answer in 5 s)'",
                   20)
@@ -276,8 +281,6 @@ def test_polling_outlives_a_stats_read_that_never_answers(browser: Any, server: 
         _wait_for(page, "window.kilatDashboard.points() >= 4", 20)
         assert page.locator("#status").text_content() == "live"
         assert errors == []
-    finally:
-        context.close()
 
 
 class _Load:
@@ -323,16 +326,10 @@ def _wait_for(page: Any, condition: str, timeout_s: float = 30) -> None:
 
 
 def test_dashboard_charts_update_under_load(browser: Any, server: Server, tmp_path: Path) -> None:
-    context = browser.new_context(http_credentials={"username": "kilat", "password": API_KEY},
-                                  viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    errors: list[str] = []
     foreign: list[str] = []
-    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
-    page.on("request", lambda r: None if r.url.startswith(server.url + "/") or r.url.startswith("data:")
-            else foreign.append(r.url))
-    try:
+    with _dashboard_page(browser, server, viewport={"width": 1280, "height": 900}) as (page, errors):
+        page.on("request", lambda r: None if r.url.startswith(server.url + "/") or r.url.startswith("data:")
+                else foreign.append(r.url))
         response = page.goto(server.url + "/dashboard")
         assert response is not None and response.status == 200
         _wait_for(page, "window.kilatDashboard && window.kilatDashboard.points() >= 3")
@@ -396,5 +393,3 @@ def test_dashboard_charts_update_under_load(browser: Any, server: Server, tmp_pa
         page.evaluate(hide, False)
         _wait_for(page, f"window.kilatDashboard.points() >= {hidden_points + 2}", timeout_s=10)
         assert errors == [] and foreign == []
-    finally:
-        context.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kilat.entrypoints.cli import main
 from kilat.model_executor.loader.dummy import DUMMY_PRESETS
 from kilat.plan.estimate import decode_point, profile_model
 from kilat.plan.hardware import HARDWARE, Hardware, probe_local
@@ -140,15 +141,14 @@ def test_step_overhead_probe_times_kilats_own_steps() -> None:
     assert ridge == 32 and slow["compute_bound_from_batch"] == 32 and slow["decode"][0]["bound"] == "overhead"
 
 
-def test_kilat_plan_hardware_this_and_its_refusals(tmp_path: Path) -> None:
-    def plan_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "smollm2-135m", *args],
-                              capture_output=True, text=True, timeout=300)
+def test_kilat_plan_hardware_this_and_its_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def plan_cli(*args: str) -> str:  # kilat plan in this process: its stdout
+        main(["plan", "smollm2-135m", *args])
+        return capsys.readouterr().out
 
     out = tmp_path / "this.json"
-    run = plan_cli("--hardware", "this", "--step-overhead-ms", "1.5", "--max-model-len", "256", "--json", str(out))
-    assert run.returncode == 0, run.stderr
-    assert "kilat's own time per step 1.50 ms" in run.stdout
+    printed = plan_cli("--hardware", "this", "--step-overhead-ms", "1.5", "--max-model-len", "256", "--json", str(out))
+    assert "kilat's own time per step 1.50 ms" in printed
     result = json.loads(out.read_text())
     hw, row = result["hardware"], result["decode"][0]
     assert hw["source"].startswith("measured in bfloat16: batch-1 matrix-vector products")
@@ -160,8 +160,10 @@ def test_kilat_plan_hardware_this_and_its_refusals(tmp_path: Path) -> None:
                           (("--plot", str(tmp_path / "none" / "x.png")), "--plot: no directory"),
                           (("--plot", str(tmp_path / "x.unknown")), "--plot: cannot write"),
                           (("--step-overhead-ms", "nan"), "step_overhead_ms must be finite")):
-        bad = plan_cli(*args)
-        assert bad.returncode == 2 and message in bad.stderr and bad.stdout == "", (args, bad.stderr)
+        with pytest.raises(SystemExit) as exit_info:
+            plan_cli(*args)
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2 and message in captured.err and captured.out == "", (args, captured.err)
 
 
 def test_roofline_points_sit_on_the_roof_and_the_measurement_below_it(tmp_path: Path) -> None:
@@ -181,7 +183,7 @@ def test_roofline_points_sit_on_the_roof_and_the_measurement_below_it(tmp_path: 
     assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path) -> None:
+def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     run = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--hardware", "h200",
                           "--max-model-len", "8192", "--json", str(out), "--plot", str(tmp_path / "plan.png")],
@@ -193,17 +195,13 @@ def test_kilat_plan_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     assert result["decode"][0]["batch"] == 1 and result["decode"][0]["bound"] == "memory"
     measured = tmp_path / "w2.json"
     measured.write_text(json.dumps({"workload": "W2", "decode_tokens_per_s": 250.0}))
-    calibrated = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--hardware",
-                                 "h200", "--max-model-len", "8192", "--calibrate", str(measured)],
-                                capture_output=True, text=True, timeout=300)
-    assert calibrated.returncode == 0, calibrated.stderr
-    assert "measured 250.0 tok/s against the roofline's 298.4: 0.84x" in calibrated.stdout
-    missing = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--calibrate",
-                              str(tmp_path / "none.json")], capture_output=True, text=True, timeout=300)
-    assert missing.returncode == 2 and "--calibrate: cannot read" in missing.stderr
-    bad = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", "plan", "llama-3-8b", "--concurrency", "0"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "concurrency must be >= 1" in bad.stderr
+    main(["plan", "llama-3-8b", "--hardware", "h200", "--max-model-len", "8192", "--calibrate", str(measured)])
+    assert "measured 250.0 tok/s against the roofline's 298.4: 0.84x" in capsys.readouterr().out
+    for args, message in ((("--calibrate", str(tmp_path / "none.json")), "--calibrate: cannot read"),
+                          (("--concurrency", "0"), "concurrency must be >= 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "llama-3-8b", *args])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_calibrate_puts_a_measured_result_next_to_the_roofline() -> None:
