@@ -26,8 +26,8 @@ def probe_step_overhead(num_layers: int, vocab_size: int, dtype: torch.dtype, ou
     """Seconds of one batch-1 decode step of a ``num_layers``-layer Llama whose bytes and FLOPs are negligible
     (hidden 64, 2 query / 1 KV head of 32, dummy weights) but whose vocabulary is the target's ``vocab_size`` (the
     logits a step turns into a token: their processing and sampling are per-step work too; the 64-wide output
-    projection adds ``vocab_size × 128`` bytes), through kilat's engine (``LLM``, its default backend, CUDA graphs
-    where it uses them) on the default device in ``dtype``: the best of three timed greedy requests of
+    projection adds ``vocab_size × 64`` weights to read), through kilat's engine (``LLM``, its default backend,
+    CUDA graphs where it uses them) on the default device in ``dtype``: the best of three timed greedy requests of
     ``output_len`` tokens after a warm-up.
 
     Raises:
