@@ -110,6 +110,7 @@ def plan(config: PlanConfig, hardware: Hardware,
     at_concurrency = decode_point(profile, bandwidth, tflops, config.concurrency, min(context, config.input_len),
                                   overhead)
     prefill_1k = prefill_seconds(profile, bandwidth, tflops, 1000, overhead)
+    prefill_flops = profile.token_flops(1000, causal=True)  # per token, over a 1,000-token prompt
     ttft = prefill_seconds(profile, bandwidth, tflops, min(config.input_len, context), overhead)
     result = {
         "model": config.model, "architecture": profile.architecture, "dtype": str(dtype).removeprefix("torch."),
@@ -124,8 +125,8 @@ def plan(config: PlanConfig, hardware: Hardware,
         "decode": decode, "compute_bound_from_batch": compute_bound,
         "decode_flops_per_token": profile.token_flops(context),
         "prefill_s_per_1k_tokens": prefill_1k, "prefill_tokens_per_s": 1000 / prefill_1k,
-        "prefill_flops_per_token": profile.token_flops(1000, causal=True),
-        "prefill_intensity": 1000 * profile.token_flops(1000, causal=True) / profile.prefill_bytes(1000),
+        "prefill_flops_per_token": prefill_flops,
+        "prefill_intensity": 1000 * prefill_flops / profile.prefill_bytes(1000),
         "ttft_s": ttft, "tpot_s": at_concurrency.step_s,
         "decode_tokens_per_s_at_concurrency": at_concurrency.tokens_per_s,
         "cost_per_1m_input_tokens_usd": None, "cost_per_1m_output_tokens_usd": None,
