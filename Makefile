@@ -25,7 +25,7 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check kilat tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_w1_w2.py --out benchmarks/results/latest.json

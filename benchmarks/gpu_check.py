@@ -33,7 +33,8 @@ Sections, each in its own process (a crash or hang costs one section, and GPU me
 - ``parallel``: tensor and pipeline parallelism over NCCL, on machines with 2 GPUs or more (skipped with a
   message on one): a random Llama (hidden 512, 8 layers, 8 query / 4 KV heads, saved by transformers) in float32
   on one GPU, ``tensor_parallel_size`` 2, ``pipeline_parallel_size`` 2 and (with 4 GPUs) both: greedy tokens
-  of 16 prompts of 64 tokens (must equal one GPU's) and output tokens/s. ``--smoke`` runs it on the CPU (gloo).
+  of 16 prompts of 64 tokens (must equal one GPU's) and output tokens/s. ``--smoke`` runs one rank and 2 x 2 on
+  the CPU (gloo).
 - ``families``: every model family of ``tests/test_models.py``'s CASES (tiny random checkpoints written by
   transformers: Llama to GPT-OSS, Gemma, MoE and MLA ones) through the engine on this device (its default backend,
   CUDA graphs, prefix caching, chunked prefill): greedy float32 tokens against HF ``generate`` (must be equal).
@@ -101,9 +102,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_us(fn: Callable[[], Any], iters: int) -> float:
-    """Median wall time of ``fn`` in microseconds over ``iters`` synchronized calls (after 3 warm-ups)."""
-    for _ in range(3):
+def time_us(fn: Callable[[], Any], iters: int, warmups: int = 3) -> float:
+    """Median wall time of ``fn`` in microseconds over ``iters`` synchronized calls (after ``warmups`` calls)."""
+    for _ in range(warmups):
         fn()
     times = []
     for _ in range(iters):
@@ -231,10 +232,10 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
                    lambda t: (torch.randn(t, 40, head_dim, generator=g).to(torch.bfloat16).to(dev),
                               rotary(torch.arange(t, device=dev)))),
     }
-    iters = 5 if args.smoke else 200
+    iters, warmups = (1, 1) if args.smoke else (200, 3)  # --smoke: the code runs; its times mean nothing
     timings = []
     for op, (reference, fused, make) in ops.items():
-        for tokens in (1, 256):
+        for tokens in (1, 16) if args.smoke else (1, 256):
             x = make(tokens)
             ref_out, fused_out = reference(x), fused(x)
             ref_t = ref_out if isinstance(ref_out, tuple) else (ref_out,)
@@ -245,8 +246,8 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
             correctness.append({"op": op, "tokens": tokens, "dtype": "bfloat16", "max_abs_err": err,
                                 "pass": close})
             timings.append({"op": op, "tokens": tokens,
-                            "torch_us": time_us(lambda f=reference, x=x: f(x), iters),
-                            "triton_us": time_us(lambda f=fused, x=x: f(x), iters)})
+                            "torch_us": time_us(lambda f=reference, x=x: f(x), iters, warmups),
+                            "triton_us": time_us(lambda f=fused, x=x: f(x), iters, warmups)})
 
     num_heads, num_kv_heads, hd = shapes["tiny" if args.smoke else "llama-3-8b"]
     batch, context = (4, 64) if args.smoke else (64, 1024)
@@ -259,7 +260,8 @@ def section_kernels(args: argparse.Namespace) -> dict[str, Any]:
         backend = get_attention_backend(name)
         step = backend.build_metadata(md)
         timings.append({"op": f"decode_attention_{name}", "batch": batch, "context": context,
-                        "us": time_us(lambda b=backend, m=step: b.forward(q, None, None, cache, m, 0.1), iters)})
+                        "us": time_us(lambda b=backend, m=step: b.forward(q, None, None, cache, m, 0.1), iters,
+                                      warmups)})
     bandwidth = measure_bandwidth(1 << (24 if args.smoke else 30), device=dev)
     return {"correctness": correctness, "all_pass": all(c["pass"] for c in correctness), "timings": timings,
             "measured_bandwidth_gbps": bandwidth / 1e9}
@@ -288,7 +290,7 @@ def section_moe(args: argparse.Namespace) -> dict[str, Any]:
                        (torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(dev))
                for dtype in (torch.bfloat16, torch.float32)}
     tolerance = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
-    iters = 5 if args.smoke else 50
+    iters, warmups = (1, 1) if args.smoke else (50, 3)
 
     correctness, timings = [], []
     for tokens in MOE_TOKENS[:2] if args.smoke else MOE_TOKENS:
@@ -311,7 +313,7 @@ def section_moe(args: argparse.Namespace) -> dict[str, Any]:
                 for name, fn in (("triton", triton_moe.fused_experts), ("looped", looped_experts),
                                  ("grouped_mm", experts.fused_experts)):
                     try:
-                        ms = time_us(lambda f=fn, a=inputs: f(*a), iters) / 1e3
+                        ms = time_us(lambda f=fn, a=inputs: f(*a), iters, warmups) / 1e3
                         timing.update({f"{name}_ms": ms, f"{name}_weight_gbps": weight_bytes / ms / 1e6})
                     except Exception as e:  # one path's failure (a missing kernel, memory) is its result
                         timing[f"{name}_error"] = f"{type(e).__name__}: {e}"
@@ -334,7 +336,7 @@ def moe_quantized(args: argparse.Namespace, shape: dict[str, int], weights: tupl
 
     dev = device()
     num_experts, top_k, hidden, inter = shape.values()
-    iters = 5 if args.smoke else 50
+    iters, warmups = (1, 1) if args.smoke else (50, 3)
     results = []
     for fmt in ("int8", "int4", "fp8"):
         config = get_quantization_config_class(fmt).from_options({"group_size": 32} if fmt == "int4" else {})
@@ -350,8 +352,8 @@ def moe_quantized(args: argparse.Namespace, shape: dict[str, int], weights: tupl
             routed = select_experts(logits, top_k, True)
             with torch.inference_mode():
                 out, ref = moe(x, logits).float(), fused_experts(x, d13, d2, *routed).float()
-                ms = time_us(lambda m=moe, a=x, r=logits: m(a, r), iters) / 1e3
-                dense_ms = time_us(lambda a=x, r=routed: fused_experts(a, *weights, *r), iters) / 1e3
+                ms = time_us(lambda m=moe, a=x, r=logits: m(a, r), iters, warmups) / 1e3
+                dense_ms = time_us(lambda a=x, r=routed: fused_experts(a, *weights, *r), iters, warmups) / 1e3
             results.append({"fmt": fmt, "tokens": tokens, "max_abs_err": float((out - ref).abs().max()),
                             "max_abs_ref": float(ref.abs().max()), "pass": torch.allclose(out, ref, atol=2e-2,
                                                                                          rtol=2e-2),
@@ -723,6 +725,9 @@ PARALLEL_SPLITS: dict[str, dict[str, int]] = {
     "tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
     "tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
 """The parallel section's engines: these engine arguments, ``tp1`` the reference."""
+SMOKE_SPLITS = ("tp1", "tp2-pp2")
+"""The splits ``--smoke`` runs: the reference and the one that combines both kinds (the test suite runs each kind
+alone, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py)."""
 
 
 def _parallel_run(path: str, split: dict[str, int], prompts: list[list[int]], params: Any, smoke: bool
@@ -741,8 +746,8 @@ def _parallel_run(path: str, split: dict[str, int], prompts: list[list[int]], pa
 
 def section_parallel(args: argparse.Namespace) -> dict[str, Any]:
     """:data:`PARALLEL_SPLITS` on :data:`PARALLEL_CONFIG` in float32, one engine at a time: greedy tokens of 16
-    prompts of 64 tokens (4 of 16 with ``--smoke``), 32 output tokens each (8), and output tokens/s. A split with
-    more ranks than GPUs is skipped; one that fails records its error."""
+    prompts of 64 tokens (4 of 16 with ``--smoke``, which runs :data:`SMOKE_SPLITS`), 32 output tokens each (8), and
+    output tokens/s. A split with more ranks than GPUs is skipped; one that fails records its error."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kilat import SamplingParams
@@ -760,6 +765,8 @@ def section_parallel(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32).save_pretrained(path)
         for name, split in PARALLEL_SPLITS.items():
+            if args.smoke and name not in SMOKE_SPLITS:
+                continue
             ranks = split.get("tensor_parallel_size", 1) * split.get("pipeline_parallel_size", 1)
             if ranks > max(gpus, 1) and not args.smoke:
                 splits[name] = {"engine_args": split, "skipped": f"needs {ranks} GPUs; {gpus} visible"}

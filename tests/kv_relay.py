@@ -12,10 +12,11 @@ from kilat.kv_connector.tcp_wire import recv_frame, send_frame
 class Relay:
     """A man in the middle between a consumer and a producer: forwards the consumer's request, then the
     producer's answer, damaged (``corrupt``: one payload byte of block 2 flipped; ``truncate``: cut inside block
-    3; ``slow``: 50 ms per KiB, so that a pull takes seconds)."""
+    3; ``slow``: ``seconds_per_kib`` per KiB, 50 ms by default, so that a pull takes seconds)."""
 
-    def __init__(self, producer_port: int, mode: str, bytes_per_block: int):
+    def __init__(self, producer_port: int, mode: str, bytes_per_block: int, seconds_per_kib: float = 0.05):
         self.mode, self.bytes_per_block, self.upstream = mode, bytes_per_block, producer_port
+        self.seconds_per_kib = seconds_per_kib
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.started = threading.Event()
@@ -40,7 +41,7 @@ class Relay:
                         conn.sendall(data[:3 * record + 100 - sent])
                         return
                     if self.mode == "slow":
-                        time.sleep(0.05)
+                        time.sleep(self.seconds_per_kib)
                     conn.sendall(data)
                     sent += len(data)
             except OSError:

@@ -69,9 +69,12 @@ class Server:
         """Pids of the engine-core processes (several with ``--data-parallel-size``)."""
         pids = []
         for pid in self.children():
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    pids.append(pid)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        pids.append(pid)
+            except OSError:  # it exited meanwhile
+                pass
         return pids
 
     def worker_pids(self) -> list[int]:

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import io
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -177,3 +179,38 @@ def test_speculative_config_flag_gives_the_same_output(tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", *args, "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'])
     assert e.value.code == 2 and "speculative_config.method" in capsys.readouterr().err
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from kilat.child_process import exit_now
+marker = sys.argv[1]
+atexit.register(lambda: open(marker, "a").write("atexit "))
+def late():
+    time.sleep(0.3)
+    open(marker, "a").write("thread ")
+threading.Thread(target=late).start()
+sys.stdout.write("buffered")  # no newline, no flush: exit_now flushes it
+exit_now(3)
+"""
+
+
+def test_exit_now_keeps_what_the_interpreter_exit_does(tmp_path):
+    """``exit_now``: the status, a non-daemon thread joined first, atexit handlers run, stdout flushed."""
+    marker = tmp_path / "marker"
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(marker)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered" and marker.read_text() == "thread atexit "
+
+
+@pytest.mark.parametrize(("args", "code", "stream", "needle"), [
+    (["--version"], 0, "stdout", f"kilat {kilat.__version__}"),
+    (["serve", "--port", "70000"], 2, "stderr", "port must be in [0, 65535], got 70000"),
+    (["no-such-command"], 2, "stderr", "invalid choice"),
+])
+def test_the_command_process_exits_with_mains_status(args, code, stream, needle):
+    """``kilat`` (``run``) ends with the status ``main`` gives, its output flushed."""
+    proc = subprocess.run([sys.executable, "-m", "kilat.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == code and needle in getattr(proc, stream), (proc.stdout, proc.stderr)

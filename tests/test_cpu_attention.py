@@ -18,11 +18,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
-def ops():
-    """``torch.ops.kilat_cpu_attn``; the suite runs where a C++ compiler is present, so it must build."""
+def ops(cpu_isa: str):
+    """``torch.ops.kilat_cpu_attn_<isa>``, once per ISA level (the ``cpu`` backend's calls in the module's tests go
+    to that level's build); the suite runs where a C++ compiler is present, so it must build."""
     ops = native.load_extension("cpu_attention")
     if ops is None:
-        pytest.fail("the CPU attention kernels did not build (see the kilat log)")
+        pytest.fail(f"the CPU attention kernels ({cpu_isa}) did not build (see the kilat log)")
     return ops
 
 

@@ -1,4 +1,5 @@
-"""The C++ CPU layer kernels (kilat/csrc/cpu_layers.cpp) against HF transformers' formulas and the torch path."""
+"""The C++ CPU layer kernels (kilat/csrc/cpu_layers.cpp), each ISA level's build, against HF transformers' formulas
+and the torch path."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ TOKENS = [1, 7, 300]
 
 
 @pytest.fixture(scope="module")
-def ops():
-    """``torch.ops.kilat_cpu`` (skips where no C++ compiler can build it)."""
+def ops(cpu_isa: str):
+    """``torch.ops.kilat_cpu_<isa>``, once per ISA level (skips where no C++ compiler can build it); the layers'
+    calls in the module's tests go to that level's build."""
     if native._compiler() is None:
         pytest.skip("no C++ compiler")
     ops = cpu_layer_ops(torch.empty(0))
-    assert ops is not None, "the CPU layer kernels failed to build"
+    assert ops is not None, f"the CPU layer kernels ({cpu_isa}) failed to build"
     return ops
 
 

@@ -30,6 +30,7 @@ from kilat.entrypoints.openai.dashboard import stats_snapshot
 from kilat.metrics.prometheus import PrometheusStatLogger
 from kilat.metrics.stats import EngineStats, SpecDecodeStats, StepStats
 from tests.server_utils import Server, scrape_metrics
+from tests.waiting import wait_until
 
 API_KEY = "sk-dashboard-test"
 MODEL = "tiny-llama"
@@ -275,10 +276,9 @@ def test_polling_outlives_a_stats_read_that_never_answers(browser: Any, server: 
 
     with _dashboard_page(browser, server, handle) as (page, errors):
         assert page.goto(server.url + "/dashboard").status == 200
-        _wait_for(page, "document.getElementById('status').textContent === 'stats unavailable (no answer in 5 s)'",
-                  20)
+        _wait_for(page, "document.getElementById('status').textContent === 'stats unavailable (no answer in 5 s)'")
         assert page.evaluate("window.kilatDashboard.points()") == 2 and len(held) == 1
-        _wait_for(page, "window.kilatDashboard.points() >= 4", 20)
+        _wait_for(page, "window.kilatDashboard.points() >= 4")
         assert page.locator("#status").text_content() == "live"
         assert errors == []
 
@@ -316,13 +316,10 @@ class _Load:
             raise self._error
 
 
-def _wait_for(page: Any, condition: str, timeout_s: float = 30) -> None:
+def _wait_for(page: Any, condition: str) -> None:
     """Poll a JavaScript expression until it is truthy (``page.wait_for_function`` evaluates strings in the page,
     which the dashboard's Content-Security-Policy forbids; ``page.evaluate`` does not)."""
-    deadline = time.monotonic() + timeout_s
-    while not page.evaluate(condition):
-        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {condition}"
-        time.sleep(0.1)
+    wait_until(lambda: page.evaluate(condition), f"the page's {condition!r}", interval_s=0.1)
 
 
 def test_dashboard_charts_update_under_load(browser: Any, server: Server, tmp_path: Path) -> None:
@@ -391,5 +388,5 @@ def test_dashboard_charts_update_under_load(browser: Any, server: Server, tmp_pa
         assert page.evaluate("window.kilatDashboard.points()") == hidden_points
         assert page.locator("#status").text_content() == "paused (tab hidden)"
         page.evaluate(hide, False)
-        _wait_for(page, f"window.kilatDashboard.points() >= {hidden_points + 2}", timeout_s=10)
+        _wait_for(page, f"window.kilatDashboard.points() >= {hidden_points + 2}")
         assert errors == [] and foreign == []

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from kilat.entrypoints.cli import build_parser
 from kilat.entrypoints.disagg_proxy import build_app, normalize_base_url
+from tests.waiting import wait_until
 
 KV_PARAMS = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1234,
              "remote_request_id": "cmpl-x-0", "remote_engine_id": "e1"}
@@ -130,10 +131,8 @@ def serve(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, str]:
                                            timeout_graceful_shutdown=1, lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started or not thread.is_alive(), "the test server starting", interval_s=0.01)
+    assert server.started, "the test server's thread ended before it started"
     return server, thread, f"http://127.0.0.1:{port}"
 
 

@@ -21,6 +21,7 @@ import requests
 
 from tests.kv_relay import Relay
 from tests.server_utils import Server, free_port, scrape_metrics
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +43,13 @@ class Proxy:
         self.proc = subprocess.Popen([sys.executable, "-m", "kilat.entrypoints.cli", "proxy", "--prefill", prefill,
                                       "--decode", decode, "--port", self.url.rsplit(":", 1)[1],
                                       "--timeout", str(timeout_s)])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        raise RuntimeError("kilat proxy did not start")
+        wait_until(self._healthy, "kilat proxy answering /health", interval_s=0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.ConnectionError:
+            return False
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -94,13 +94,6 @@ def _usage(url: str) -> float:
     return scrape_metrics(url)["kilat:kv_cache_usage_perc"]
 
 
-def _wait_for(condition: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -116,7 +109,7 @@ def test_pd_answers_equal_the_colocated_server(servers, chat):
         assert after - before == (num_tokens - 1) // 16 >= 4
     else:
         assert after - before >= 4
-    assert _wait_for(lambda: _usage(prefill.url) == 0.0, 10)
+    wait_until(lambda: _usage(prefill.url) == 0.0, "the prefill instance freeing its KV blocks", interval_s=0.1)
 
 
 def test_requests_the_transfer_cannot_serve_get_a_400(servers):
@@ -151,7 +144,8 @@ def test_an_abort_during_the_transfer_frees_the_blocks_on_both_sides(servers):
     thread = threading.Thread(target=client)
     thread.start()
     thread.join(60)
-    assert _wait_for(lambda: _usage(decode.url) == 0.0 and _usage(prefill.url) == 0.0, 15)
+    wait_until(lambda: _usage(decode.url) == 0.0 and _usage(prefill.url) == 0.0,
+               "both instances freeing their KV blocks", interval_s=0.1)
     m = scrape_metrics(decode.url)
     assert m['kilat:request_success_total{finished_reason="abort"}'] >= 1
 

@@ -23,17 +23,11 @@ from kilat.executor.abstract import WorkerDiedError
 from kilat.executor.multiproc import MultiprocExecutor, _frame, _recv_message
 from tests.server_utils import pid_alive, worker_pids
 from tests.test_step_contract import contract_engine_kwargs, generate_mixed
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def _gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_mp_outputs_equal_uni(tiny_llama_dir):
@@ -96,7 +90,7 @@ def test_workers_exit_with_their_parent(tiny_llama_dir):
     finally:
         proc.kill()
         proc.wait()
-    assert _gone(workers, 5)
+    wait_until(lambda: not any(pid_alive(p) for p in workers), "the workers exiting")
 
 
 def test_unknown_executor_backend_is_refused() -> None:

@@ -20,11 +20,12 @@ from tests.test_models import CASES, _Sequences
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ops():
-    """``torch.ops.kilat_cpu_decoder``; the suite runs where a C++ compiler is present, so it must build."""
+def ops(cpu_isa: str):
+    """``torch.ops.kilat_cpu_decoder_<isa>``, once per ISA level: every test of the module runs each level's build
+    (models bind the fused op when they load); the suite runs where a C++ compiler is present, so it must build."""
     ops = load_extension("cpu_decoder")
     if ops is None:
-        pytest.fail("the fused CPU decoder-layer kernel did not build (see the kilat log)")
+        pytest.fail(f"the fused CPU decoder-layer kernel ({cpu_isa}) did not build (see the kilat log)")
     return ops
 
 FUSED_CASES = ["llama-gqa-untied", "llama-mqa-tied-biases", "mistral-sliding-window", "qwen2-tied-qkv-bias",

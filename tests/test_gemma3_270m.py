@@ -51,10 +51,12 @@ def kilat_outputs() -> list[tuple[list[int], list[int], str]]:
 
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
-    """HF transformers' own load of the same GGUF, dequantized to float32 (~50 s: once per module)."""
+    """HF transformers' own load of the same GGUF, dequantized to float32 (once per module; its config and its
+    tensors share one parse of the file's header, ``gguf.one_parse_per_file``, which the weights do not depend on)."""
     path = gemma3_270m_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    with gguf.one_parse_per_file():
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
 
 
 def test_greedy_float32_tokens_equal_hf_on_the_same_gguf(kilat_outputs, hf_model) -> None:

@@ -186,14 +186,30 @@ def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
+@pytest.fixture
+def gguf_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``gguf.GGUFReader`` parses during the test, in order."""
+    parsed: list[str] = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path: str | os.PathLike[str], mode: str = "r"):
+            parsed.append(os.fspath(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    return parsed
+
+
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
-def test_moe_gguf_generates_as_hf(case: str, tmp_path: Path, gguf_cache: Path) -> None:
-    """The conversion is the HF model's config and exact weights, and the engine generates what HF does."""
+def test_moe_gguf_generates_as_hf(case: str, tmp_path: Path, gguf_cache: Path, gguf_parses: list[str]) -> None:
+    """The conversion is the HF model's config and exact weights, and the engine generates what HF does; it parses
+    the file once (config, tensors and tokenizer share the reader)."""
     hf = random_hf_model(MOE_CASES[case], tmp_path / "hf")
     path = tmp_path / "model.gguf"
     write_moe_gguf(hf, path)
 
     folder = converted_gguf_dir(str(path))
+    assert gguf_parses == [str(path)]
     assert Path(folder).parent == gguf_cache / "gguf"
     config = AutoConfig.from_pretrained(folder)
     assert type(config) is type(hf.config) and config.architectures == hf.config.architectures

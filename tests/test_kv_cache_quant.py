@@ -4,6 +4,7 @@ trips through both attention backends against float references, sizing, validati
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,14 +23,28 @@ from kilat.model_executor.attention.kv_cache import (
     quantize_kv,
 )
 from tests.attention_utils import block_tables, naive_attention
+from tests.native_isa import ISA_NAMES, isa_selected
 
 CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 """Mantissa bits and smallest normal exponent."""
-BACKENDS = [get_attention_backend("torch"), get_attention_backend("cpu"), get_attention_backend("triton")]
+BACKENDS = ["torch", *(f"cpu-{isa}" for isa in ISA_NAMES), "triton"]
+"""The attention backends, the ``cpu`` one with each ISA level's build of its C++ kernels."""
 FLOAT_ERROR = {torch.int8: 0.025, torch.float8_e4m3fn: 0.1, torch.float8_e5m2: 0.3}
 """Bound on |attention over the quantized cache - attention over the float keys/values| for unit-normal
 inputs (largest measured over the cases below: 0.013, 0.067, 0.20; each format's step is 2^-7, 2^-4, 2^-3)."""
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> Iterator[AttentionBackend]:
+    """The backend named by the parameter; ``cpu-<isa>`` runs that ISA level's build of the C++ kernels (skipped
+    where this CPU cannot run it)."""
+    name, _, isa = request.param.partition("-")
+    if not isa:
+        yield get_attention_backend(name)
+        return
+    with isa_selected(isa):
+        yield get_attention_backend(name)
 
 
 def _values(num_tokens: int, num_kv_heads: int, head_dim: int, g: torch.Generator) -> torch.Tensor:
@@ -63,7 +78,7 @@ def test_quantize_error_is_within_half_a_step(name: str) -> None:
     torch.testing.assert_close(back.abs().amax(-1), absmax, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_write_kv_stores_quantized_values_and_scales(backend: AttentionBackend, name: str) -> None:
     """Tokens of two requests at slots straddling 4-slot block boundaries hold exactly quantize_kv's bytes and
@@ -94,7 +109,7 @@ CASES = {"decode": ([1, 1, 1, 1], [3, 4, 5, 13]), "mixed": ([1, 7, 1, 5, 3], [6,
 without context."""
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_paged_attention_over_quantized_cache(backend: AttentionBackend, name: str, case: str) -> None:
@@ -133,7 +148,7 @@ def test_paged_attention_over_quantized_cache(backend: AttentionBackend, name: s
         assert (rows - exact).abs().max() < FLOAT_ERROR[dtype]
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_bfloat16_model_over_int8_cache(backend: AttentionBackend) -> None:
     """bfloat16 queries and keys: the cache dequantizes to bfloat16 and the output is bfloat16."""
     g = torch.Generator().manual_seed(3)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from kilat.model_executor.layers.quantization.kernels import (
     pack_weight,
     quant_linear,
 )
+from tests.native_isa import ISA_NAMES, isa_selected, skip_unless_runnable
 
 
 def make_weight(bits: int, n: int, k: int, group: int, seed: int = 0, zero: bool = True,
@@ -73,20 +75,28 @@ SHAPES = [  # (bits, N, K, G): every group size, K not a multiple of 64, N not a
 ]
 
 
-def run_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the torch path, or require the native one."""
-    if backend == "torch":
+BACKENDS = ["torch", *ISA_NAMES]
+"""The torch path, and each ISA level's build of the C++ kernels."""
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``torch``: the torch path forced; an ISA level: the kernels' build for it (skipped where this CPU cannot run
+    it; a build failure fails the test)."""
+    if request.param == "torch":
         monkeypatch.setattr(kernels, "native_ops", lambda: None)
-    elif kernels.native_ops() is None:
-        pytest.fail("the C++ kernels did not build (see the kilat log)")
+        yield "torch"
+        return
+    with isa_selected(request.param):
+        if kernels.native_ops() is None:
+            pytest.fail(f"the C++ kernels ({request.param}) did not build (see the kilat log)")
+        yield request.param
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits,n,k,group", SHAPES)
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group: int, half_scales: bool,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    run_backend(backend, monkeypatch)
+def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group: int, half_scales: bool) -> None:
     q, scale, zero = make_weight(bits, n, k, group, zero=not (bits == 8 and group == k), half_scales=half_scales)
     w = pack_weight(q, scale, zero, bits)
     assert (w.bits, w.group_size, w.out_features, w.in_features) == (bits, group, n, k)
@@ -112,13 +122,12 @@ def test_pack_without_zero_and_q4_1_mapping() -> None:
     assert torch.equal(dequantize(w), expect)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits,n,k,group", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 64, kernels.DENSE_MIN_M + 2])  # AVX2: tile path from 8 rows, 6 at a time
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
-                                                    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_backend(backend, monkeypatch)
+                                                    dtype: torch.dtype) -> None:
     q, scale, zero = make_weight(bits, n, k, group, seed=m, zero=not (bits == 8 and group == k))  # no zero plane
     w = pack_weight(q, scale, zero, bits)
     g = torch.Generator().manual_seed(100 + m)
@@ -131,8 +140,8 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     if bias is not None:
         bound = bound + bias.double().abs()
     f32, u = (k + 4) * 2.0 ** -24 * bound, UNIT_ROUNDOFF[dtype]
-    if backend == "native" or dtype == torch.float32:
-        ops = kernels.native_ops() if backend == "native" else None
+    if backend != "torch" or dtype == torch.float32:
+        ops = kernels.native_ops() if backend != "torch" else None
         if ops is not None and dtype != torch.float32 and (ops.has_vnni() or ops.has_avx2()):  # the integer path
             f32 = f32 + x.double().abs().amax(-1, keepdim=True) * abs_dot(torch.ones(1, k), q, scale, None) / 32639
         tol = f32 + u * (exact.abs() + f32)
@@ -142,9 +151,8 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} over tolerance"
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
-def test_quant_linear_keeps_leading_dims(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_backend(backend, monkeypatch)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_quant_linear_keeps_leading_dims(backend: str) -> None:
     q, scale, zero = make_weight(4, 32, 64, 32)
     w = pack_weight(q, scale, zero, 4)
     x = torch.randn(2, 3, 64)
@@ -153,10 +161,9 @@ def test_quant_linear_keeps_leading_dims(backend: str, monkeypatch: pytest.Monke
     torch.testing.assert_close(y, F.linear(x, dequantize(w)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits,n,k,group", [(4, 40, 64, 32), (8, 33, 75, 75)])
-def test_embedding_rows(backend: str, bits: int, n: int, k: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_backend(backend, monkeypatch)
+def test_embedding_rows(backend: str, bits: int, n: int, k: int, group: int) -> None:
     q, scale, zero = make_weight(bits, n, k, group)
     w = pack_weight(q, scale, zero, bits)
     ids = torch.tensor([[0, 17, n - 1], [5, 5, 16]])
@@ -208,12 +215,20 @@ def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> Non
         assert native.load_extension("quant_gemm") is None
         monkeypatch.delenv(native.QUANT_GEMM.env)
         native.load_extension.cache_clear()
-        ops = native.load_extension("quant_gemm")
-        flags = set(native._cpu_flags().split())
-        assert ops is not None and ops.has_avx512() == ("avx512f" in flags)
-        assert ops.has_avx2() == ({"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags)
+        assert native.load_extension("quant_gemm") is not None
     finally:
         native.load_extension.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ISA_NAMES)
+def test_each_build_compiles_its_own_code_paths(isa: str) -> None:
+    """Each ISA level's build reports the code paths its compiler flags select (the macros the source tests)."""
+    skip_unless_runnable(isa)
+    ops = native.load_extension("quant_gemm", isa)
+    assert ops is not None
+    assert (ops.has_avx512(), ops.has_vnni(), ops.has_avx2()) == {
+        "avx512_vnni": (True, True, False), "avx512": (True, False, False), "avx2": (False, False, True),
+        "portable": (False, False, False)}[isa]
 
 
 def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path,
@@ -223,7 +238,7 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
     broken.write_text('#error "deliberately broken"\n')
     monkeypatch.setattr(native, "SOURCE_DIR", str(tmp_path))
     monkeypatch.setitem(native.EXTENSIONS, "quant_gemm", dataclasses.replace(native.QUANT_GEMM, name="broken"))
-    monkeypatch.setattr(native, "_loaded", lambda ext: False)
+    monkeypatch.setattr(native, "_loaded", lambda ext, isa: False)
     monkeypatch.setenv("KILAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(native.QUANT_GEMM.env, raising=False)
     native.load_extension.cache_clear()
@@ -240,11 +255,12 @@ def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatc
         native.load_extension.cache_clear()
 
 
+@pytest.mark.parametrize("backend", ISA_NAMES, indirect=True)
 @pytest.mark.parametrize("rows", [3, 9])
-def test_integer_path_keeps_tiny_and_non_finite_activations(rows: int) -> None:
+def test_integer_path_keeps_tiny_and_non_finite_activations(backend: str, rows: int) -> None:
     """16-bit ``x`` (the integer path on AVX512-VNNI or AVX2 at 3 rows; AVX2's tile path at 9): a block of tiny values
     (below 2^-111, where ``2^e`` would underflow) still counts, and a NaN or Inf anywhere in a row makes that row's
-    outputs NaN, as in float32."""
+    outputs NaN, as in float32 (every ISA level's build)."""
     q, scale, zero = make_weight(4, 32, 64, 32, zero=False)
     w = pack_weight(q, scale, zero, 4)
     x = torch.full((rows, 64), 1e-36).to(torch.bfloat16)

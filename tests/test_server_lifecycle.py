@@ -18,6 +18,7 @@ import requests
 
 from tests.conftest import GGUF_NAME, smollm2_dir
 from tests.server_utils import Server, pid_alive, scrape_metrics
+from tests.waiting import PATIENCE_S, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +43,13 @@ def test_signal_stops_server_and_engine_core(sig: int) -> None:
     seen = threading.Event()
     client = threading.Thread(target=_stream_forever, args=(server.url, seen), daemon=True)
     client.start()
-    assert seen.wait(60), "the stream never started"
+    assert seen.wait(PATIENCE_S), "the stream never started"
     start = time.monotonic()
     assert server.stop(sig, timeout_s=30) is not None
     assert time.monotonic() - start < 30
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not any(pid_alive(p) for p in children), "the engine core and the other children exiting")
     assert not pid_alive(core)
-    assert not any(pid_alive(p) for p in children)
-    client.join(10)
+    client.join(PATIENCE_S)
 
 
 def test_sigterm_to_process_group_stops_everything() -> None:
@@ -60,29 +58,17 @@ def test_sigterm_to_process_group_stops_everything() -> None:
     children = server.children()
     seen = threading.Event()
     threading.Thread(target=_stream_forever, args=(server.url, seen), daemon=True).start()
-    assert seen.wait(60), "the stream never started"
+    assert seen.wait(PATIENCE_S), "the stream never started"
     os.killpg(server.proc.pid, signal.SIGTERM)
-    server.proc.wait(30)
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(p) for p in children)
+    server.proc.wait(PATIENCE_S)
+    wait_until(lambda: not any(pid_alive(p) for p in children), "the server's children exiting")
 
 
 def test_sigterm_while_loading_stops_engine_core() -> None:
     server = Server(*SMALL_KV, wait=False)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            core = server.engine_core_pid()
-            break
-        except RuntimeError:
-            time.sleep(0.05)
+    core = wait_until(lambda: next(iter(server.engine_core_pids()), None), "the engine core starting")
     assert server.stop() is not None
-    deadline = time.monotonic() + 5
-    while pid_alive(core) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(core)
+    wait_until(lambda: not pid_alive(core), "the engine core exiting")
 
 
 def _stream_lines(url: str, lines: list[str], seen: threading.Event) -> None:
@@ -102,10 +88,10 @@ def _kill_mid_stream(server: Server, pid: int | None = None) -> list[str]:
     seen = threading.Event()
     client = threading.Thread(target=_stream_lines, args=(server.url, lines, seen), daemon=True)
     client.start()
-    assert seen.wait(60), "the stream never started"
+    assert seen.wait(PATIENCE_S), "the stream never started"
     assert scrape_metrics(server.url)["kilat:num_requests_running"] == 1
     os.kill(server.engine_core_pid() if pid is None else pid, signal.SIGKILL)
-    client.join(30)
+    client.join(PATIENCE_S)
     assert not client.is_alive(), "the stream hung after the engine core died"
     return lines
 
@@ -126,11 +112,9 @@ def _slow_share(server: Server) -> float:
     return sum(g for g in gaps if g >= 0.9) / sum(gaps)
 
 
-def _wait_health(server: Server, status: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while requests.get(server.url + "/health", timeout=5).status_code != status:
-        assert time.monotonic() < deadline, f"/health never answered {status}"
-        time.sleep(0.1)
+def _wait_health(server: Server, status: int) -> None:
+    wait_until(lambda: requests.get(server.url + "/health", timeout=PATIENCE_S).status_code == status,
+               f"/health answering {status}", interval_s=0.1)
 
 
 def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) -> None:
@@ -145,7 +129,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
         slow_before = _slow_share(server)
         lines = _kill_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
-        _wait_health(server, 503, 10)
+        _wait_health(server, 503)
         metrics = scrape_metrics(server.url)
         assert (metrics["kilat:num_requests_running"], metrics["kilat:num_requests_waiting"],
                 metrics["kilat:kv_cache_usage_perc"], metrics["kilat:engine_core_restarts_total"]) == (0, 0, 0, 0)
@@ -155,7 +139,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
         r = requests.get(server.url + "/health", timeout=10)
         assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["type"] == "server_error" and r.headers["Retry-After"] == "5"
-        _wait_health(server, 200, 120)
+        _wait_health(server, 200)
         r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4,
                                                                 "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -171,7 +155,7 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
 
         model.unlink()  # the next restart fails to load: restart 2 of 2 is the last
         os.kill(server.engine_core_pid(), signal.SIGKILL)
-        assert server.proc.wait(120) not in (0, None)
+        assert server.proc.wait(PATIENCE_S) not in (0, None)
     finally:
         server.stop()
     assert not server.children()
@@ -190,7 +174,7 @@ def test_dead_worker_restarts_the_engine_core() -> None:
         want = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         lines = _kill_mid_stream(server, worker)
         assert [line for line in lines if line.startswith('data: {"error"') and "engine" in line], lines[-3:]
-        _wait_health(server, 200, 120)
+        _wait_health(server, 200)
         r = requests.post(server.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
         assert server.engine_core_pid() != core and not pid_alive(core)
@@ -209,7 +193,7 @@ def test_no_restart_flag_exits_non_zero() -> None:
     try:
         lines = _kill_mid_stream(server)
         assert [line for line in lines if line.startswith('data: {"error"')], lines[-3:]
-        assert server.proc.wait(30) not in (0, None)
+        assert server.proc.wait(PATIENCE_S) not in (0, None)
     finally:
         server.stop()
     assert not server.children()
@@ -253,7 +237,4 @@ def test_engine_core_exits_when_server_is_killed() -> None:
     server = Server(*SMALL_KV)
     core = server.engine_core_pid()
     server.stop(signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while pid_alive(core) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(core)
+    wait_until(lambda: not pid_alive(core), "the engine core exiting after its server was killed")

@@ -27,6 +27,7 @@ from kilat.outputs import RequestError
 from kilat.sampling_params import StructuredOutputsParams
 from kilat.structured_outputs import limits
 from tests.server_utils import Server
+from tests.waiting import wait_until
 
 SLOW_REGEX = "".join(f"[a-z]{{1,{300 + i}}}" for i in range(40))
 """600 characters that compile for about a minute on SmolLM2's tokenizer (61 s measured; 76 MB): only the time
@@ -150,18 +151,14 @@ def test_an_aborted_request_stops_its_compile(llm: LLM) -> None:
         regex=SLOW_REGEX)))
     engine.step()
     time.sleep(0.5)
-    deadline = time.monotonic() + 60
-    while not any(job.worker for job in manager._jobs.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a second slot may be starting a worker for it: until a worker is compiling it
+    # a second slot may be starting a worker for it: until a worker is compiling it
+    wait_until(lambda: any(job.worker for job in manager._jobs.values()), "a worker compiling the slow grammar")
     assert manager.num_busy == 1 and engine.core.waits_only_for_grammars()
     busy = set(manager.worker_pids)
     engine.abort_request(["slow"])
-    deadline = time.monotonic() + 5
-    while manager.num_busy and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not manager.num_busy, "the aborted compile ending")
     assert manager.num_busy == 0 and manager.num_queued == 0
-    while set(manager.worker_pids) >= busy and time.monotonic() < deadline:
-        time.sleep(0.05)  # the slot's thread reaps the killed worker
+    wait_until(lambda: not set(manager.worker_pids) >= busy, "the slot's thread reaping the killed worker")
     gone = busy - set(manager.worker_pids)
     assert len(gone) == 1 and not gone & _workers_of(os.getpid())  # the one compiling it was killed and reaped
     assert not engine.has_unfinished_requests()
@@ -178,10 +175,7 @@ def test_a_queued_compile_is_dropped_with_its_request(llm: LLM) -> None:
             regex=SLOW_REGEX + "z" * i)))
     assert manager.num_queued + manager.num_busy == manager.config.num_workers + 1
     engine.abort_request([f"q{i}" for i in range(manager.config.num_workers + 1)])
-    deadline = time.monotonic() + 5
-    while (manager.num_busy or manager.num_queued) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manager.num_busy == 0 and manager.num_queued == 0
+    wait_until(lambda: not (manager.num_busy or manager.num_queued), "the aborted compiles ending")
 
 
 def test_the_engine_core_sleeps_while_a_grammar_compiles_and_reports_the_time_limit(llm: LLM) -> None:
@@ -226,23 +220,19 @@ def test_the_engine_core_sleeps_while_a_grammar_compiles_and_reports_the_time_li
 
 def test_a_crashed_compile_worker_fails_its_request_and_is_replaced(llm: LLM) -> None:
     manager = llm.engine.core._structured_outputs()
-    deadline = time.monotonic() + 120
     state = manager.submit(_choice(2, "warm"))  # a worker that has started
-    while not state.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: state.ready, "the warm-up grammar compiling")
     state = manager.submit(StructuredOutputsParams(regex=SLOW_REGEX + "v"))
-    time.sleep(0.3)  # the warm slot's worker is compiling it
+    wait_until(lambda: any(job.worker for job in manager._jobs.values()), "the warm slot's worker compiling it")
     assert manager.num_busy == 1 and not state.ready
     for pid in manager.worker_pids:
         os.kill(pid, signal.SIGKILL)
-    while not state.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: state.ready, "the killed compile failing its request")
     assert state.error == "structured_outputs: the grammar compile worker exited with status -9"
     assert not state.client_error  # the engine's fault: a 500, not a 400
     state = manager.submit(_choice(2, "again"))
-    while not state.ready and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert state.ready and state.error is None
+    wait_until(lambda: state.ready, "a new worker compiling the next grammar")
+    assert state.error is None
 
 
 def test_a_compile_cancelled_as_its_worker_answers_does_not_fail_the_next(llm: LLM) -> None:
@@ -260,12 +250,10 @@ def test_a_compile_cancelled_as_its_worker_answers_does_not_fail_the_next(llm: L
     manager._probe = cancel_on_answer
     try:
         states.append(manager.submit(first))
-        deadline = time.monotonic() + 120
-        while (manager.num_busy or manager.num_queued) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: not (manager.num_busy or manager.num_queued), "the cancelled compile ending",
+                   interval_s=0.02)
         state = manager.submit(_choice(2, "after race"))  # before: could be sent to the dying worker (a 500)
-        while not state.ready and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: state.ready, "the next grammar compiling", interval_s=0.02)
     finally:
         del manager._probe
     assert state.ready and state.error is None
@@ -278,10 +266,7 @@ def test_the_compile_cache_stays_under_its_bound(llm: LLM) -> None:
     sizes = []
     for tag in ("a", "b", "c"):  # each ~0.7 MB compiled: at most one fits
         state = manager.submit(_choice(4000, tag))
-        deadline = time.monotonic() + 120
-        while not state.ready:
-            assert time.monotonic() < deadline, f"the {tag!r} grammar did not compile in 120 s"
-            time.sleep(0.02)
+        wait_until(lambda: state.ready, f"the {tag!r} grammar compiling", interval_s=0.02)  # noqa: B023
         assert state.error is None
         sizes.append(manager.cache.size_bytes)
         assert manager.cache.size_bytes <= manager.cache.limit_bytes

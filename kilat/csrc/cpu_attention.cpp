@@ -14,7 +14,7 @@
 // conversions, dot products, exponentials and V sums where compiled in, portable loops otherwise (same arithmetic up
 // to summation order and the exponential's last bit).
 //
-// Op (namespace kilat_cpu_attn): paged_attention(query [T, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
+// Op (namespace kilat_cpu_attn_<isa>): paged_attention(query [T, H, hd], kv_cache [2, blocks, block_size, KVH, hd],
 // kv_scales [2, blocks, block_size, KVH]?, block_table int32 [R, nb], seq_lens int32 [R], query_start_loc int32
 // [R + 1], scale, sliding_window, logits_soft_cap, sinks [H]?) -> [T, H, hd] in the query dtype (AttentionMetadata's tensors, see
 // kilat/model_executor/attention/metadata.py). query may be a strided view (last dimension contiguous); kv_cache
@@ -26,13 +26,16 @@
 // With float32 sinks, head h's sink logit joins its softmax's denominator and carries no value (GPT-OSS's attention
 // sinks): out = sum_j e^(s_j) v_j / (e^(sinks[h]) + sum_j e^(s_j)), added once where the partial states are merged.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "kilat_library.h"
 
 #include <algorithm>
 #include <atomic>
@@ -817,7 +820,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 }  // namespace
 
-TORCH_LIBRARY(kilat_cpu_attn, m) {
+KILAT_LIBRARY(kilat_cpu_attn, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor? kv_scales, Tensor block_table, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, int sliding_window, float logits_soft_cap=0., Tensor? sinks=None) -> Tensor",
         paged_attention);

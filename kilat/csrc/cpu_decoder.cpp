@@ -5,10 +5,11 @@
 // kilat/model_executor/models/llama.py (LlamaDecoderLayer.forward with the torch attention backend), which stays the
 // oracle and the fallback. The kernels are the other extensions' ops, called through the dispatcher (the libraries
 // are loaded first, kilat/model_executor/native.py):
-//   kilat_cpu::rms_norm / add_rms_norm / rotary / silu_and_mul (cpu_layers.cpp), kilat_quant::gemm (quant_gemm.cpp),
-//   kilat_cpu_attn::paged_attention (cpu_attention.cpp); only the KV write (a row copy per token) is done here.
+//   kilat_cpu_<isa>::rms_norm / add_rms_norm / rotary / silu_and_mul (cpu_layers.cpp), kilat_quant_<isa>::gemm
+//   (quant_gemm.cpp), kilat_cpu_attn_<isa>::paged_attention (cpu_attention.cpp), all of the same ISA level (<isa>,
+//   kilat_library.h); only the KV write (a row copy per token) is done here.
 //
-// Op (namespace kilat_cpu_decoder):
+// Op (namespace kilat_cpu_decoder_<isa>):
 //   decoder_layer(x [T, hidden], residual [T, hidden]?, norms, eps, weights, quant, biases, cos [T, 1, hd],
 //                 sin [T, 1, hd], kv_cache [2, blocks, block_size, kvh, hd], slot_mapping int64 [T],
 //                 block_table int32 [T, nb], seq_lens int32 [T], query_start_loc int32 [T + 1], num_heads, scale,
@@ -22,9 +23,11 @@
 //   (block * block_size + offset) before it attends its context.
 //   ready() -> whether the kernels it calls are registered with the signatures it uses.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "kilat_library.h"
 
 #include <cstdint>
 #include <cstring>
@@ -51,12 +54,13 @@ using PagedAttention = Tensor(const Tensor&, const Tensor&, const OptTensor&, co
                               const Tensor&, double, int64_t, double, const OptTensor&);
 
 struct Ops {
-  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>("kilat_cpu::rms_norm");
-  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>("kilat_cpu::add_rms_norm");
-  c10::TypedOperatorHandle<Rotary> rotary = op<Rotary>("kilat_cpu::rotary");
-  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = op<SiluAndMul>("kilat_cpu::silu_and_mul");
-  c10::TypedOperatorHandle<Gemm> gemm = op<Gemm>("kilat_quant::gemm");
-  c10::TypedOperatorHandle<PagedAttention> paged_attention = op<PagedAttention>("kilat_cpu_attn::paged_attention");
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = op<RmsNorm>(KILAT_OP_NAME(kilat_cpu, rms_norm));
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = op<AddRmsNorm>(KILAT_OP_NAME(kilat_cpu, add_rms_norm));
+  c10::TypedOperatorHandle<Rotary> rotary = op<Rotary>(KILAT_OP_NAME(kilat_cpu, rotary));
+  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul = op<SiluAndMul>(KILAT_OP_NAME(kilat_cpu, silu_and_mul));
+  c10::TypedOperatorHandle<Gemm> gemm = op<Gemm>(KILAT_OP_NAME(kilat_quant, gemm));
+  c10::TypedOperatorHandle<PagedAttention> paged_attention =
+      op<PagedAttention>(KILAT_OP_NAME(kilat_cpu_attn, paged_attention));
 };
 
 const Ops& ops() {
@@ -161,7 +165,7 @@ bool ready() {
 
 }  // namespace
 
-TORCH_LIBRARY(kilat_cpu_decoder, m) {
+KILAT_LIBRARY(kilat_cpu_decoder, m) {
   m.def("ready() -> bool", ready);
   m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] norms, float eps, Tensor[] weights, int[] quant, "
         "Tensor?[] biases, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping, Tensor block_table, "

@@ -4,7 +4,7 @@
 // dtype, as torch's element-wise ops on bfloat16/float16 do), so float32 results equal HF's up to the order of the
 // RMSNorm sum and bfloat16 results equal HF's bit for bit but for that sum's last-bit differences.
 //
-// Ops (namespace kilat_cpu; x of dtype float32, bfloat16 or float16; "r(v)" rounds a float32 v to x's dtype, to
+// Ops (namespace kilat_cpu_<isa>; x of dtype float32, bfloat16 or float16; "r(v)" rounds a float32 v to x's dtype, to
 // nearest even, and is the identity for float32; the last dimension of every input must be contiguous, other
 // strides are free; outputs are new contiguous tensors in x's dtype):
 //   rms_norm(x [..., H], weight [H], eps) -> [..., H]: per row, inv = 1 / sqrt(sum(x^2) / H + eps) (float32, eps
@@ -25,12 +25,15 @@
 // sum in the same order, only the SiLU's exp differing in its last bit).
 // Threads: at::parallel_for over rows, with a grain that keeps a decode step's few rows on the calling thread.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "kilat_library.h"
 
 #include <algorithm>
 #include <cmath>
@@ -450,7 +453,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 
 }  // namespace
 
-TORCH_LIBRARY(kilat_cpu, m) {
+KILAT_LIBRARY(kilat_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", add_rms_norm);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", rotary);

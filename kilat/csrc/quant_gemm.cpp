@@ -16,17 +16,20 @@
 // dequantize-then-matmul up to float32 rounding). Threads: at::parallel_for over row blocks, so torch's intra-op
 // thread count.
 //
-// Ops (namespace kilat_quant): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
+// Ops (namespace kilat_quant_<isa>): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
 // embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
 // has_avx512() / has_vnni() / has_avx2() -> whether those paths were compiled in.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "kilat_library.h"
 
 #include <algorithm>
 #include <array>
@@ -899,7 +902,7 @@ bool has_avx512() {
 
 }  // namespace
 
-TORCH_LIBRARY(kilat_quant, m) {
+KILAT_LIBRARY(kilat_quant, m) {
   m.def("gemm(Tensor x, Tensor qweight, Tensor scales, int bits, int group_size, int n, int k, Tensor? bias) -> Tensor",
         gemm);
   m.def("dequantize(Tensor qweight, Tensor scales, int bits, int group_size, int n, int k, ScalarType dtype) -> Tensor",

@@ -2,7 +2,7 @@
 // maps the buffer and holds the sequence number; this op is one call's whole work, so a decode step's small
 // reduces cost microseconds instead of the dozens a chain of torch ops costs in Python).
 //
-// Op (namespace kilat_shm):
+// Op (namespace kilat_shm_<isa>):
 //   all_reduce(x, slots, flags, rank, seq) -> (): x float32/bfloat16/float16, contiguous, on the CPU, numel n;
 //     slots float32 [2, world, max_elems] and flags int64 [2, world], both in memory every rank maps; seq > 0 the
 //     call's sequence number (the same on every rank, one more than the last call's). With b = seq & 1: copy x
@@ -14,9 +14,11 @@
 // Raises (TORCH_CHECK): x not contiguous or on another device, n > max_elems, slots/flags of the wrong dtype or
 // shape, rank out of range, seq < 1.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include "kilat_library.h"
 
 #include <algorithm>
 #include <atomic>
@@ -77,6 +79,6 @@ void all_reduce(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(kilat_shm, m) {
+KILAT_LIBRARY(kilat_shm, m) {
   m.def("all_reduce(Tensor(a!) x, Tensor slots, Tensor flags, int rank, int seq) -> ()", all_reduce);
 }

@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from kilat.child_process import exit_with_parent, python_command
+from kilat.child_process import exit_now, exit_with_parent, python_command
 from kilat.config import EngineConfig
 from kilat.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kilat.executor.abstract import Executor, WorkerDiedError, combine_infos
@@ -341,3 +341,4 @@ def worker_main(rank: int, fd: int) -> None:
                 continue
             _reply(sock, rank, True, result if rank == config.parallel.output_rank else None)
         worker.shutdown()
+    exit_now(0)  # the run is over: skip the interpreter's teardown (about a second of CPU)

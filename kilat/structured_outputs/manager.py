@@ -345,12 +345,13 @@ class StructuredOutputManager:
                 client_error: bool = False) -> None:
         """Under the lock: publish the job's result and wake the engine core. ``client_error``: ``error``
         blames the constraint (see :attr:`GrammarState.client_error`)."""
-        job.error, job.compiled, job.state, job.worker = error, compiled, _JobState.DONE, None
+        if compiled is not None:  # cached before the job reads as done, so that a ready state finds the cache settled
+            self.cache.put(job.key, compiled)
+        job.error, job.compiled, job.worker = error, compiled, None
         job.client_error = client_error and error is not None
+        job.state = _JobState.DONE
         if self._jobs.get(job.key) is job:
             del self._jobs[job.key]
-        if compiled is not None:
-            self.cache.put(job.key, compiled)
         if self._pipe_open:
             with contextlib.suppress(BlockingIOError):  # a full pipe of unread wake-ups wakes the core anyway
                 os.write(self._wakeup_write, b"\0")

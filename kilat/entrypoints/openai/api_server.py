@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kilat
+from kilat.child_process import exit_now
 from kilat.config import EngineArgs
 from kilat.engine.async_llm import AsyncLLM
 from kilat.engine.core_client import EngineDeadError
@@ -492,3 +493,4 @@ if __name__ == "__main__":
     from kilat.entrypoints.cli import main
 
     main(["serve", *sys.argv[1:]])
+    exit_now(0)

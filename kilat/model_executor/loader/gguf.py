@@ -1,11 +1,13 @@
 """GGUF checkpoints: a one-time conversion to a cached HF directory.
 
 Dequantizing a GGUF file with transformers' utilities (which know llama.cpp's tensor names and undo its Q/K
-row permutation) takes ~20 s for SmolLM2-135M. The first load therefore writes an HF directory --
-``config.json`` (with ``architectures``), ``model.safetensors`` in float32 and the tokenizer files -- under
-``$KILAT_CACHE_DIR/gguf`` (default ``~/.cache/kilat``), keyed by the sha256 of the file's content (see
-:mod:`kilat.model_executor.loader.gguf_cache`); later loads read it in about a second. What transformers misses in
-Mixture-of-Experts files (Mixtral, the experts' widths) is filled in by :mod:`kilat.model_executor.loader.gguf_moe`.
+row permutation) takes seconds to tens of seconds (Gemma 3 270M's 262k-token vocabulary makes parsing its header
+alone ~9 s, which :func:`one_parse_per_file` does once per conversion instead of three times). The first load
+therefore writes an HF directory -- ``config.json`` (with ``architectures``), ``model.safetensors`` in float32 and
+the tokenizer files -- under ``$KILAT_CACHE_DIR/gguf`` (default ``~/.cache/kilat``), keyed by the sha256 of the file's
+content (see :mod:`kilat.model_executor.loader.gguf_cache`); later loads read it in about a second. What transformers
+misses in Mixture-of-Experts files (Mixtral, the experts' widths) is filled in by
+:mod:`kilat.model_executor.loader.gguf_moe`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
+import gguf as gguf_py
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -79,8 +84,39 @@ def converted_gguf_dir(gguf_path: str) -> str:
     return target
 
 
+@contextlib.contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader(path)`` parses each file once and hands the same reader out again.
+
+    transformers builds a new reader for a GGUF's config, for its tokenizer and for its tensors (``from gguf import
+    GGUFReader`` inside ``load_gguf_checkpoint``), and a reader parses every metadata field as it is built: about 9 s
+    for Gemma 3's 262k-token vocabulary on a 2-core machine, three times per conversion. The readers are only read
+    from (their fields and tensors, memory-mapped), so one can serve every call; they are dropped when the block
+    ends, and ``gguf.GGUFReader`` is the library's own again.
+    """
+    real = gguf_py.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf_py.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader = real
+
+
 def _convert(gguf_path: str, out_dir: str) -> None:
     """Write config.json, model.safetensors (float32, HF names) and the tokenizer of ``gguf_path``."""
+    with one_parse_per_file():
+        _write_hf_folder(gguf_path, out_dir)
+
+
+def _write_hf_folder(gguf_path: str, out_dir: str) -> None:
     directory, name = os.path.split(os.path.abspath(gguf_path))
     try:
         config = AutoConfig.from_pretrained(directory, gguf_file=name)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import gguf as gguf_py
 import numpy as np
 import torch
-from gguf import GGUFReader, dequantize
+from gguf import dequantize
 from transformers import MixtralConfig, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import (
     GGUFTensor,
@@ -111,7 +112,7 @@ def mixtral_tensors(gguf_path: str, meta_model: torch.nn.Module) -> dict[str, to
     processor = MixtralTensorProcessor(config=meta_model.config.to_dict())
     names = get_gguf_hf_weights_map(meta_model, processor, model_type="llama")
     parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # the processor writes the experts here
-    for tensor in GGUFReader(gguf_path).tensors:
+    for tensor in gguf_py.GGUFReader(gguf_path).tensors:  # looked up here: a conversion shares one parse
         weights = dequantize(tensor.data, tensor.tensor_type)
         if m := PER_EXPERT.fullmatch(tensor.name):
             name = f"model.layers.{m['layer']}.block_sparse_moe.experts.{m['expert']}.{_MIXTRAL_PROJ[m['proj']]}.weight"
