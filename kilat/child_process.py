@@ -40,17 +40,16 @@ def exit_with_parent() -> None:
 def exit_now(code: int = 0) -> NoReturn:
     """End this process with status ``code`` as the interpreter would, without its teardown.
 
-    Non-daemon threads are joined, the ``atexit`` handlers run (``weakref.finalize`` callbacks and
-    ``multiprocessing``'s clean-up among them), logging and the standard streams are flushed, then the process
-    ends (``os._exit``). What is skipped is the interpreter's own teardown: module clean-up and the final garbage
-    collections over torch's, transformers' and Triton's objects, about a second of CPU per process, for memory the
-    operating system frees anyway. Only for the end of a process's whole run: the engine core, a model worker, the
-    ``kilat`` command.
+    Call it from the main thread. It does what ``Py_Finalize`` does first: ``threading``'s own shutdown (its atexit
+    callbacks, which wake idle ``concurrent.futures`` workers, then a join of every non-daemon thread), the
+    ``atexit`` handlers (``weakref.finalize`` callbacks and ``multiprocessing``'s clean-up among them), and a flush
+    of logging and the standard streams; then the process ends (``os._exit``). Skipped is the interpreter's own
+    teardown: module clean-up and the final garbage collections over torch's, transformers' and Triton's objects,
+    about a second of CPU per process, for memory the operating system frees anyway; so a file object left open
+    (not closed, not flushed) loses its buffer, as after ``os._exit``. Only for the end of a process's whole run:
+    the engine core, a model worker, the ``kilat`` command.
     """
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what the interpreter runs first at exit (private, but stable since Python 3.4)
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

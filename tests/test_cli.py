@@ -190,13 +190,16 @@ def late():
     time.sleep(0.3)
     open(marker, "a").write("thread ")
 threading.Thread(target=late).start()
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(2).submit(lambda: 1).result()  # an idle pool left open: threading's shutdown wakes its workers
 sys.stdout.write("buffered")  # no newline, no flush: exit_now flushes it
 exit_now(3)
 """
 
 
 def test_exit_now_keeps_what_the_interpreter_exit_does(tmp_path):
-    """``exit_now``: the status, a non-daemon thread joined first, atexit handlers run, stdout flushed."""
+    """``exit_now``: the status, a non-daemon thread joined first, an idle thread pool's workers ended (no hang),
+    atexit handlers run, stdout flushed."""
     marker = tmp_path / "marker"
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(marker)], capture_output=True, text=True,
                           timeout=120)

@@ -1,7 +1,8 @@
-"""The C++ paged attention for CPU (``kilat/csrc/cpu_attention.cpp``, op ``kilat_cpu_attn.paged_attention``: decodes,
-prefill chunks over a cached context, mixed steps; model-dtype caches here, int8/fp8 ones in test_kv_cache_quant) and
-the ``cpu`` attention backend that runs it, against the dense float64 oracle of :mod:`tests.attention_utils` and the
-torch backend's gather + SDPA (which ``auto`` takes with ``KILAT_CPU_ATTENTION=torch``)."""
+"""The C++ paged attention for CPU (``kilat/csrc/cpu_attention.cpp``, op ``kilat_cpu_attn_<isa>.paged_attention``,
+every ISA level's build: decodes, prefill chunks over a cached context, mixed steps; model-dtype caches here, int8/fp8
+ones in test_kv_cache_quant) and the ``cpu`` attention backend that runs it, against the dense float64 oracle of
+:mod:`tests.attention_utils` and the torch backend's gather + SDPA (which ``auto`` takes with
+``KILAT_CPU_ATTENTION=torch``)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -128,4 +129,5 @@ def test_restarted_client_hears_its_core_at_once(monkeypatch: pytest.MonkeyPatch
         return latencies
 
     latencies = asyncio.run(rounds())
-    assert all(lat < 0.5 for round_ in latencies for lat in round_), latencies
+    # the bug made every message wait for the 1 s poll timeout; a loaded machine may delay one or two
+    assert all(statistics.median(round_) < 0.5 for round_ in latencies), latencies

@@ -5,6 +5,7 @@ side in one process. The kernels themselves, level by level, are in the test fil
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -97,3 +98,14 @@ def test_the_fused_decoder_build_calls_its_own_levels_ops(isa: str) -> None:
     for dependency in native.CPU_DECODER.requires:
         ext = native.EXTENSIONS[dependency]
         assert hasattr(getattr(torch.ops, native.namespace(ext, native.ISAS[isa])), ext.probe)
+
+
+@pytest.mark.parametrize("isa", ISA_NAMES)
+@pytest.mark.parametrize("name", ["quant_gemm", "cpu_layers", "cpu_attention", "cpu_decoder"])
+def test_every_level_compiles_on_every_machine(name: str, isa: str) -> None:
+    """Each extension with ISA-specific code builds for every level, also those this CPU cannot run (compiled, not
+    loaded; the compiler targets any level), so that no machine lets a level's compile error through."""
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    library = native._library_path(native.EXTENSIONS[name], native.ISAS[isa])
+    assert os.path.getsize(library) > 0 and library.endswith(f"kilat_{name}_{isa}.so")

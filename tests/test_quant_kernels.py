@@ -215,7 +215,10 @@ def test_native_backend_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> Non
         assert native.load_extension("quant_gemm") is None
         monkeypatch.delenv(native.QUANT_GEMM.env)
         native.load_extension.cache_clear()
-        assert native.load_extension("quant_gemm") is not None
+        ops = native.load_extension("quant_gemm")
+        flags = set(native._cpu_flags().split())  # the default build is the best this CPU runs
+        assert ops is not None and ops.has_avx512() == ("avx512f" in flags)
+        assert ops.has_avx2() == ({"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags)
     finally:
         native.load_extension.cache_clear()
 

@@ -21,7 +21,7 @@ class ShmAllReduce:
     """Sum all-reduce of CPU tensors of up to ``max_elems`` elements among ``world_size`` ranks of one host.
 
     Args:
-        ops: ``torch.ops.kilat_shm`` (:func:`kilat.model_executor.native.load_extension`).
+        ops: ``torch.ops.kilat_shm_<isa>`` (:func:`kilat.model_executor.native.load_extension`).
         rank, world_size: this process's rank and the ranks.
         name: the shared-memory file's name under ``/dev/shm``, the same on every rank; rank 0 creates it
             with its pages reserved (zero-filled), so the others must open it after rank 0's constructor returned

@@ -399,7 +399,7 @@ def run() -> NoReturn:
     try:
         main()
     except SystemExit as e:  # kilat's errors (2), Ctrl-C (130), kilat serve's SIGTERM (143), argparse's (0, 2)
-        if isinstance(e.code, str):
+        if e.code is not None and not isinstance(e.code, int):  # as the interpreter prints it
             print(e.code, file=sys.stderr)
         exit_now(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
     exit_now(0)

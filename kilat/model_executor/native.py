@@ -1,17 +1,18 @@
 """Build and load kilat's C++ CPU kernels (``kilat/csrc/<name>.cpp``, PyTorch custom ops) on first use.
 
 Each extension in :data:`EXTENSIONS` is one translation unit whose SIMD code paths (AVX-512, AVX2, portable loops)
-are chosen at compile time by the instruction set it is compiled for. It is compiled once per (source, ISA level,
-torch version, compiler, CPU flags) into ``$KILAT_CACHE_DIR/kernels/<key>/`` (default ``~/.cache/kilat``; ``-O3``,
-the level's ``-march`` and ``-mtune=native``), under a file lock so concurrent processes build it once, and loaded
-with ``torch.ops.load_library``. A build for ISA level ``isa`` registers its ops as
-``torch.ops.<namespace>_<isa>.*`` (``kilat/csrc/kilat_library.h``), so builds for several levels coexist in one
-process and a test can compare each with the same reference.
+are chosen at compile time by the instruction set it is compiled for. It is compiled once per (source and headers,
+build flags, torch version, compiler, CPU flags, Python version) into ``$KILAT_CACHE_DIR/kernels/<key>/`` (default
+``~/.cache/kilat``; ``-O3``, the level's ``-march`` and ``-mtune=native`` on x86-64, ``-mcpu=native`` elsewhere),
+under a file lock so concurrent processes build it once, and loaded with ``torch.ops.load_library``. A build for ISA
+level ``isa`` registers its ops as ``torch.ops.<namespace>_<isa>.*`` (``kilat/csrc/kilat_library.h``), so builds for
+several levels coexist in one process and a test can compare each with the same reference.
 
 The level is the best in :data:`ISAS` that this CPU runs, or ``$KILAT_CPU_ISA`` (``auto``, ``avx512_vnni``,
-``avx512``, ``avx2``, ``portable``); ``load_extension(name, isa)`` takes one explicitly. Any build or load failure
-(no compiler, build or load error) logs one warning and returns ``None``: the callers then take their torch path.
-Setting the extension's environment variable to ``torch`` forces that path. An extension that calls another's ops
+``avx512``, ``avx2``, ``portable``); ``load_extension(name, isa)`` takes one explicitly. The x86-64 levels' names
+(``-march=x86-64-v3``/``-v4``) need gcc >= 11 or clang >= 12. Any build or load failure (no compiler, an older
+one, a build or load error) logs one warning and returns ``None``: the callers then take their torch path. Setting
+the extension's environment variable to ``torch`` forces that path. An extension that calls another's ops
 (``requires``) loads the same level's build of it first and is unavailable without it.
 """
 
@@ -122,7 +123,7 @@ def selected_isa() -> Isa:
     Raises:
         ValueError: ``$KILAT_CPU_ISA`` names no level, or one this CPU cannot run (the missing flags named).
     """
-    value = os.environ.get(ISA_ENV, "auto")
+    value = os.environ.get(ISA_ENV) or "auto"
     if value == "auto":
         isa = next(isa for isa in ISAS.values() if not missing_cpu_flags(isa))
     elif value not in ISAS:
@@ -154,7 +155,8 @@ def _compiler() -> str | None:
 
 def _build_flags(isa: Isa) -> list[str]:
     """The compiler flags of a build for ``isa``, but for the include and library paths."""
-    tune = ["-mtune=native"] if _X86 else ["-mcpu=native"]  # scheduling only: the ISA is the level's
+    # x86-64: the level sets the ISA, -mtune only the scheduling; elsewhere "portable" is the CPU's own ISA
+    tune = ["-mtune=native"] if _X86 else ["-mcpu=native"]
     return ["-O3", *isa.compile_flags, *tune, "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
             f"-DKILAT_ISA={isa.name}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 

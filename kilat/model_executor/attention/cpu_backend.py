@@ -25,7 +25,8 @@ from kilat.model_executor.native import load_extension
 
 
 def cpu_attention_ops() -> Any | None:
-    """``torch.ops.kilat_cpu_attn`` (built on the first call), or ``None`` when the extension is unavailable."""
+    """``torch.ops.kilat_cpu_attn_<isa>`` (the selected ISA level's build, built on the first call), or ``None`` when
+    the extension is unavailable."""
     return load_extension("cpu_attention")
 
 

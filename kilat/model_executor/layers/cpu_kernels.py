@@ -1,4 +1,5 @@
-"""The C++ CPU kernels of the decoder's element-wise layers (``kilat/csrc/cpu_layers.cpp``, ``torch.ops.kilat_cpu``).
+"""The C++ CPU kernels of the decoder's element-wise layers (``kilat/csrc/cpu_layers.cpp``,
+``torch.ops.kilat_cpu_<isa>``).
 
 On CPU, RMSNorm (with its residual add), rotary embedding and SiLU-and-mul each run as one op instead of a chain
 of small torch ops (a batch-1 decode step is dispatch-bound), rounding where HF's formulas round. The torch
@@ -17,6 +18,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_layer_ops(x: torch.Tensor) -> Any | None:
-    """``torch.ops.kilat_cpu`` for a float32/bfloat16/float16 CPU tensor ``x`` (built on the first call), else
+    """``torch.ops.kilat_cpu_<isa>`` for a float32/bfloat16/float16 CPU tensor ``x`` (built on the first call), else
     ``None`` (the torch path)."""
     return load_extension("cpu_layers") if x.is_cpu and x.dtype in _DTYPES else None

@@ -2,12 +2,12 @@
 
 A batch-1 decode step of a small model on the CPU is dominated by Python and dispatch between a dozen small
 kernels per layer (docs/benchmarks.md, "Fused decoder layer"). :class:`FusedDecoderLayer` hands one layer's weights
-to ``torch.ops.kilat_cpu_decoder.decoder_layer``, which calls the same kernels in the same order from C++ (RMSNorm,
-the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs are bit
-for bit those of the layer's Python forward. It applies only where that forward would run exactly those kernels:
-every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the CPU, a
-step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention backend
-(whose ``paged_attention`` it calls).
+to ``torch.ops.kilat_cpu_decoder_<isa>.decoder_layer``, which calls the same kernels in the same order from C++
+(RMSNorm, the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs
+are bit for bit those of the layer's Python forward. It applies only where that forward would run exactly those
+kernels: every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the
+CPU, a step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention
+backend (whose ``paged_attention`` it calls).
 Everything else (prefill chunks, dense, act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes
 the Python forward, layer by layer.
 """

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -84,6 +85,9 @@ def converted_gguf_dir(gguf_path: str) -> str:
     return target
 
 
+_PATCH_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def one_parse_per_file() -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader(path)`` parses each file once and hands the same reader out again.
@@ -92,22 +96,23 @@ def one_parse_per_file() -> Iterator[None]:
     GGUFReader`` inside ``load_gguf_checkpoint``), and a reader parses every metadata field as it is built: about 9 s
     for Gemma 3's 262k-token vocabulary on a 2-core machine, three times per conversion. The readers are only read
     from (their fields and tensors, memory-mapped), so one can serve every call; they are dropped when the block
-    ends, and ``gguf.GGUFReader`` is the library's own again.
+    ends, and ``gguf.GGUFReader`` is the library's own again. Blocks in other threads wait for this one to end.
     """
-    real = gguf_py.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
+    with _PATCH_LOCK:  # one block at a time in a process: each restores what it replaced
+        real = gguf_py.GGUFReader
+        readers: dict[tuple[str, str], Any] = {}
 
-    def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
+        def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = real(path, mode)
+            return readers[key]
 
-    gguf_py.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf_py.GGUFReader = real
+        gguf_py.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf_py.GGUFReader = real
 
 
 def _convert(gguf_path: str, out_dir: str) -> None:

@@ -204,7 +204,8 @@ def dequantize_torch(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torc
 
 
 def native_ops() -> Any | None:
-    """``torch.ops.kilat_quant`` (the C++ kernels, built on first use), or ``None`` for the torch path."""
+    """``torch.ops.kilat_quant_<isa>`` (the C++ kernels of the selected ISA level, built on first use), or ``None``
+    for the torch path."""
     return load_extension("quant_gemm")
 
 
