@@ -5,12 +5,14 @@ and the prompt recomputed; an aborted pull frees the blocks on both sides."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from kilat import LLM, SamplingParams
-from kilat.kv_connector.tcp_wire import check_kv_transfer_params
+from kilat.kv_connector import tcp
+from kilat.kv_connector.tcp_wire import check_kv_transfer_params, send_frame
 from tests.kv_relay import Relay
 from tests.server_utils import free_port
 from tests.waiting import PATIENCE_S, wait_until
@@ -155,6 +157,34 @@ def test_an_abort_during_the_pull_frees_the_blocks_on_both_sides(engines):
     assert time.monotonic() - start < 0.5 * 6 * bytes_per_block / 1024 * SLOW_PULL_S_PER_KIB
     assert engine.stats.kv_offload["tcp_received_blocks"] - received < 6
     assert _drain(producer) == 0.0
+
+
+def test_an_abort_as_the_pull_connects_still_tells_the_producer(engines, monkeypatch, caplog):
+    """A cancel that arrives between the consumer's connect and its request frame does not cut the frame off:
+    the producer hears of the pull and frees its copy when the connection closes, not after
+    ``abort_request_timeout`` (120 s)."""
+    _, producer, consumer = engines
+    reached, go = threading.Event(), threading.Event()
+
+    def gated_send_frame(sock, obj) -> None:
+        if threading.current_thread().name.startswith("kilat-kv-pull") and not go.is_set():
+            reached.set()
+            assert go.wait(PATIENCE_S)
+        send_frame(sock, obj)
+
+    monkeypatch.setattr(tcp, "send_frame", gated_send_frame)
+    kv = _prefill(producer, PROMPTS[1])
+    engine = consumer.engine
+    engine.add_request("cut", PROMPTS[1], _params(kv))
+    while not engine.core.scheduler.waiting_for_remote_kvs:
+        engine.step()
+    assert reached.wait(PATIENCE_S)  # connected, the request frame not sent yet
+    engine.abort_request(["cut"])
+    engine.step()  # the cancel reaches the pull
+    go.set()
+    assert _drain(consumer) == 0.0 and _drain(producer) == 0.0
+    assert "abort_request_timeout" not in caplog.text
+    consumer.engine.core.kv.pool.reset_prefix_cache()
 
 
 def test_workers_in_their_own_processes_serve_and_pull(tiny_llama_dir, engines):

@@ -405,8 +405,8 @@ class TcpConnector(KVConnectorBase):
                 conn.settimeout(timeout)
                 with self._lock:
                     cancelled = job.request_id in self._cancelled
-                    if job.block_ids and not cancelled:
-                        self._pulling[job.request_id] = conn
+                # sent before a cancel can shut the connection: the producer always hears of the pull, and frees
+                # its copy when the connection closes instead of after abort_request_timeout
                 send_frame(conn, {"version": PROTOCOL_VERSION, "namespace": self.namespace,
                                   "engine_id": job.remote_engine_id, "request_id": job.remote_request_id,
                                   "first_block": job.first_block,
@@ -414,6 +414,11 @@ class TcpConnector(KVConnectorBase):
                 if cancelled:  # aborted before it started: only tell the producer to free its copy
                     recv_frame(conn)
                     raise TransferError("the request was aborted")
+                with self._lock:
+                    if job.request_id in self._cancelled:  # aborted while the request went out
+                        raise TransferError("the request was aborted")
+                    if job.block_ids:
+                        self._pulling[job.request_id] = conn
                 reply = recv_frame(conn)
                 if reply.get("ok") is not True:
                     raise TransferError(f"the producer refused: {reply.get('error')}")
