@@ -153,6 +153,22 @@ def test_extend_and_mixed_steps_match_reference(ops, case: str, window: int | No
                        block_size=block_size, backend=get_attention_backend("cpu"), dtype=dtype)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("case", EXTEND_CASES)
+def test_bfloat16_steps_are_the_oracle_rounded_once(ops, case: str, window: int | None, head_dim: int, num_heads: int,
+                                                     num_kv_heads: int) -> None:
+    """In bfloat16 the C++ op computes in float32 from the exact bfloat16 inputs (on AVX512-BF16 the extends' query x
+    key products with vdpbf16ps, exact products summed in float32) and rounds once: every output is within one unit
+    in the last place (2^-7 relative) of the float64 oracle rounded to bfloat16, far inside the torch path's 2e-2
+    (a 1% error in the softmax scale fails this)."""
+    query_lens, seq_lens = EXTEND_CASES[case]
+    run_attention_case(query_lens, seq_lens, num_heads, num_kv_heads, window=window, head_dim=head_dim,
+                       block_size=BLOCK_SIZE, backend=get_attention_backend("cpu"), dtype=torch.bfloat16,
+                       tolerance=(1e-5, 2.0 ** -7))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_extend_spans_independent_of_threads(ops, threads: int) -> None:
     """A 2,000-token prompt chunk and a 100-token extend over 900 cached tokens, in spans shared out from one

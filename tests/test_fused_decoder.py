@@ -105,9 +105,20 @@ def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, python_kv, strict=True))
 
 
-def test_dense_weights_are_not_fused(checkpoint: Path) -> None:
-    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="bfloat16"), "cpu")
-    assert all(layer.fused is None for layer in model.model.layers)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dense_weights_fuse_where_packed_for_bf16_kernels(checkpoint: Path, dtype: str) -> None:
+    """Dense weights fuse exactly where they are packed as 16-bit QuantWeights (bfloat16 on the avx512_bf16 build),
+    and then decode bit for bit like the Python forward; elsewhere (float32, other builds) no layer fuses."""
+    model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype), "cpu")
+    quant = load_extension("quant_gemm")
+    if dtype == "bfloat16" and quant is not None and quant.has_bf16dp():
+        assert all(layer.fused is not None for layer in model.model.layers)
+        fused_logits, fused_kv = _run(model, fused=True)
+        python_logits, python_kv = _run(model, fused=False)
+        assert torch.isfinite(fused_logits).all() and torch.equal(fused_logits, python_logits)
+        assert all(torch.equal(a, b) for a, b in zip(fused_kv, python_kv, strict=True))
+    else:
+        assert all(layer.fused is None for layer in model.model.layers)
 
 
 def test_slot_outside_the_cache_is_an_error(checkpoint: Path) -> None:

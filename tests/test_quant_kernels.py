@@ -9,7 +9,10 @@ compute in float32 from the exact weight and round once to ``x``'s dtype (unit r
 first rounds the weight to that dtype (``u absdot``) and then the output (rounded by at most ``u (|y| + u absdot +
 f32)``). For bfloat16/float16 ``x`` on a CPU with AVX512-VNNI or AVX2 the C++ kernels take the integer path: each
 block of ``x`` becomes integers ``v = x / 2^e`` rounded by at most ``max|x| / 32639`` of the block, then exact integer
-dot products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding.
+dot products: ``split = max_k |x_k| / 32639 (|q| |scale|)`` more before the output's rounding. With AVX512-BF16
+(the ``avx512_bf16`` build) bfloat16 ``x`` of 8 rows or more (16 for 8-bit weights) takes the bfloat16 dot-product
+path instead, whose products are exact and summed in float32 (inside the integer path's bound). A dense bfloat16
+weight packed as 16 bits (:func:`pack_bf16`) is its own exact ``q``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,41 @@ def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group
     got_scale, got_zero = w.scale_zero()
     assert torch.equal(got_scale, scale)
     assert torch.equal(got_zero, zero if zero is not None else torch.zeros_like(scale))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("n,k", [(40, 48), (33, 37), (17, 100), (64, 576)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64, kernels.DENSE_MIN_M + 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_bf16_weight_matches_matmul(backend: str, n: int, k: int, m: int, dtype: torch.dtype) -> None:
+    """A dense bfloat16 weight packed as 16 bits: dequantize and embedding give its values back bit for bit, and
+    quant_linear is the exact product within float32 summation and one rounding to ``x``'s dtype, on the bfloat16
+    dot-product path (avx512_bf16 build, bfloat16 x, every M) and on every fallback (``F.linear`` of the weight)."""
+    g = torch.Generator().manual_seed(n * k + m)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    w = kernels.pack_bf16(weight)
+    assert (w.bits, w.group_size, w.out_features, w.in_features) == (16, k, n, k)
+    assert w.qweight.shape == ((n + 15) // 16, (k + 31) // 32 * 8, 128)
+    assert torch.equal(dequantize(w, torch.bfloat16), weight) and torch.equal(dequantize(w), weight.float())
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(kernels.embedding(ids, w, torch.bfloat16), weight[ids])
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    y = quant_linear(x, w, bias)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    bound = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+    f32 = (k + 4) * 2.0 ** -24 * bound
+    tol = f32 + UNIT_ROUNDOFF[dtype] * (exact.abs() + f32)
+    assert y.dtype == dtype and y.shape == (m, n)
+    err = (y.double() - exact).abs()
+    assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} over tolerance"
+
+
+def test_pack_bf16_rejects_other_weights() -> None:
+    with pytest.raises(ValueError, match="weight must be a non-empty 2-D bfloat16 tensor"):
+        kernels.pack_bf16(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="weight must be a non-empty 2-D bfloat16 tensor"):
+        kernels.pack_bf16(torch.zeros(0, 8, dtype=torch.bfloat16))
 
 
 def test_pack_without_zero_and_q4_1_mapping() -> None:
@@ -229,9 +267,10 @@ def test_each_build_compiles_its_own_code_paths(isa: str) -> None:
     skip_unless_runnable(isa)
     ops = native.load_extension("quant_gemm", isa)
     assert ops is not None
-    assert (ops.has_avx512(), ops.has_vnni(), ops.has_avx2()) == {
-        "avx512_vnni": (True, True, False), "avx512": (True, False, False), "avx2": (False, False, True),
-        "portable": (False, False, False)}[isa]
+    assert (ops.has_avx512(), ops.has_vnni(), ops.has_bf16dp(), ops.has_avx2()) == {
+        "avx512_bf16": (True, True, True, False), "avx512_vnni": (True, True, False, False),
+        "avx512": (True, False, False, False), "avx2": (False, False, False, True),
+        "portable": (False, False, False, False)}[isa]
 
 
 def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path,

@@ -2,8 +2,10 @@
 //                                           + zero[n, g] * (sum_{k in g} x[m, k])
 // over the packed layout of kilat/model_executor/layers/quantization/kernels.py: rows in blocks of 16, chunks of
 // 16 rows x 4 columns (4 bits: 32 bytes, byte b = row b/4 in its low nibble and row 8 + b/4 in its high nibble,
-// column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4), scales [Np/16, groups, 2, 16] (scale, zero)
-// or [Np/16, groups, 1, 16] (zero 0) in float16 or float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
+// column b % 4; 8 bits: 64 bytes of q + 128, byte b = row b/4, column b % 4; 16 bits, a dense bfloat16 weight: 128
+// bytes, two column pairs of 16 rows x 2 bfloat16, value v = 32 p + 2 r + j is column 2 p + j of row r, with one group,
+// scale 1 and no zero), scales [Np/16, groups, 2, 16] (scale, zero) or [Np/16, groups, 1, 16] (zero 0) in float16 or
+// float32. One output row per 32-bit lane of a 512-bit vector, so no horizontal sums.
 //
 // x of any dtype (float32, bfloat16, float16) is converted to float32 once per call (the row preparation, which
 // also sums each group of x); q is widened to float32 and multiplied by x with FMAs, so the result is
@@ -14,12 +16,14 @@
 // and vpmaddwd for 8-bit ones (DotI16); all give the same integers, so the same outputs). On AVX2 from kTileRows rows
 // of x, any dtype, the tile path instead (gemm_block_tile_avx2: weights dequantized once per row block, then FMAs;
 // dequantize-then-matmul up to float32 rounding). Threads: at::parallel_for over row blocks, so torch's intra-op
-// thread count.
+// thread count. With AVX512-BF16, bfloat16 x from 8 rows (4-bit weights) or 16 (8-bit) takes the bfloat16 dot-product
+// path instead (run_gemm_bf16dp: q unpacked once per 32 weight rows into exact bfloat16, vdpbf16ps, float32 sums per
+// group; dequantize-then-matmul up to float32 rounding).
 //
 // Ops (namespace kilat_quant_<isa>): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
 // embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
-// has_avx512() / has_vnni() / has_avx2() -> whether those paths were compiled in.
+// has_avx512() / has_vnni() / has_bf16dp() / has_avx2() -> whether those paths were compiled in.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,6 +49,9 @@
 #include <immintrin.h>
 #if defined(__AVX512VNNI__)
 #define KILAT_VNNI 1  // the integer path for 16-bit x (split_block, gemm_block_vnni)
+#endif
+#if defined(__AVX512BF16__)
+#define KILAT_BF16DP 1  // bfloat16 x from a few rows: bfloat16 dot products (run_gemm_bf16dp)
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KILAT_AVX2 1  // 256-bit paths: float32 FMAs, and the integer path for 16-bit x (gemm_block_int)
@@ -72,12 +79,12 @@ struct Layout {
 
 Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bits, int64_t group_size, int64_t n,
                  int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "bits must be 4, 8 or 16");
   Layout l;
   l.bits = bits;
-  l.chunk_bytes = bits == 4 ? 32 : 64;
+  l.chunk_bytes = bits == 4 ? 32 : bits == 8 ? 64 : 128;
   TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 3 && qweight.size(2) == l.chunk_bytes &&
-                  qweight.is_contiguous(), "qweight must be contiguous uint8 [Np/16, Kp/4, 32 or 64]");
+                  qweight.is_contiguous(), "qweight must be contiguous uint8 [Np/16, Kp/4, 32, 64 or 128]");
   TORCH_CHECK((scales.dtype() == at::kHalf || scales.dtype() == at::kFloat) && scales.dim() == 4 &&
                   scales.size(0) == qweight.size(0) && (scales.size(2) == 1 || scales.size(2) == 2) &&
                   scales.size(3) == kRows && scales.is_contiguous(),
@@ -94,7 +101,16 @@ Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bi
   return l;
 }
 
-// q of row r (0..15), column c of row block `bq` (that block's bytes).
+// The bfloat16 weight of row r (0..15), column c of a 16-bit row block `bq` (chunks of two column pairs, each pair
+// 16 rows x 2 columns).
+inline float dense_at(const uint8_t* bq, int r, int64_t c) {
+  const uint8_t* chunk = bq + (c / kCols) * 128;
+  uint16_t v;
+  std::memcpy(&v, chunk + (((c % kCols) / 2) * 32 + 2 * r + c % 2) * 2, sizeof(v));
+  return static_cast<float>(c10::BFloat16(v, c10::BFloat16::from_bits()));
+}
+
+// q of row r (0..15), column c of row block `bq` (that block's bytes); 4- and 8-bit weights.
 inline int q_at(const uint8_t* bq, const Layout& l, int r, int64_t c) {
   const uint8_t* chunk = bq + (c / kCols) * l.chunk_bytes;
   const int j = static_cast<int>(c % kCols);
@@ -732,9 +748,256 @@ void gemm_block_tile_avx2(const Activations& a, const uint8_t* qw, const S* sz, 
 }
 #endif
 
+#ifdef KILAT_BF16DP
+// ------------------------------------------------------------------------------------- AVX512-BF16 path
+// bfloat16 x from bf16dp_min_rows rows on (prefill, batched decode): the step is compute-bound there, so the weights are
+// unpacked once per pair of row blocks into a tile of exact bfloat16 q (q is an integer of at most 8 significant
+// bits, so q is exact in bfloat16, and each q x product is exact in float32) and multiplied with vdpbf16ps, 32
+// multiply-adds per instruction, accumulated in float32 per group: y = sum_g scale_g * (sum_k q x) + zero_g * sum_k x,
+// dequantize-then-matmul up to float32 rounding (as the float32 path; vdpbf16ps flushes float32 denormals, at most
+// 2^-126 per sum). The unpacking (~5 vector instructions per 64 weights) is paid once per 32 weight rows and read by
+// every row of x; kBfMT rows of x at a time against 32 weight rows: 12 independent accumulators. A dense bfloat16
+// weight (16 bits) is read in place, its chunks already in the tile's order.
+// From this many rows of bfloat16 x (measured on Zen 5, docs/benchmarks.md "Compute-bound steps"): 8-bit weights cost
+// ~3x the unpacking of 4-bit ones, so they need more rows of x to pay for it; 16-bit ones (dense bfloat16, read in
+// place) take this path at every size.
+inline int64_t bf16dp_min_rows(int64_t bits) { return bits == 4 ? 8 : bits == 8 ? 16 : 1; }
+// 6 rows x 2 row blocks measured best of 6x2, 4x3, 3x4, 5x2, 8x1 and 4x2 at 16 and 176 rows (SmolLM2 shapes, Zen 5).
+constexpr int kBfMT = 6;
+constexpr int kBfMTOne = 12;  // rows of x per pass for weights of one group (bf16dp_rows_one)
+constexpr int kBfBlocks = 2;  // row blocks per tile
+constexpr int kBfCols = kBfBlocks * kRows;
+
+// The bfloat16 bit patterns of 0..31 (vpermw's table; exact: small integers).
+inline __m512i small_int_bf16() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i);
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof(b));
+    t[i] = static_cast<uint16_t>(b >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
+// The upper halves of two float32 vectors' lanes interleaved: lane r = (bf16(lo[r]), bf16(hi[r])), exact for values
+// whose low 16 bits are zero (small integers).
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+  return _mm512_mask_mov_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16), 0xAAAAAAAA, _mm512_castps_si512(hi));
+}
+
+// Row block bq's q as bfloat16 pairs: tile[p * stride + 2 r + j] = q[r, 2 p + j] for pairs p < Kp / 2, rows r < 16
+// (stride in bfloat16 values: 32 per row block of the tile).
+template <int BITS>
+void unpack_bf16(const uint8_t* bq, const Layout& l, uint16_t* tile, int64_t stride) {
+  const __m512i table = small_int_bf16();
+  // per dword d of a 128-bit lane: bytes 4d and 4d + 1 (columns 0, 1), or 4d + 2 and 4d + 3, zero-extended to words
+  const __m512i cols01 = _mm512_set4_epi32(0x800D800C, 0x80098008, 0x80058004, 0x80018000);
+  const __m512i cols23 = _mm512_set4_epi32(0x800F800E, 0x800B800A, 0x80078006, 0x80038002);
+  for (int64_t c = 0; c < l.chunks; ++c, bq += l.chunk_bytes, tile += 2 * stride) {
+    const __m512i w = load_chunk<BITS>(bq);
+    __m512i p0, p1;
+    if constexpr (BITS == 4) {
+      p0 = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(w, cols01), table);
+      p1 = _mm512_permutexvar_epi16(_mm512_shuffle_epi8(w, cols23), table);
+    } else {
+      const __m512i qs = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // q as int8
+      __m512 f[4];
+      for (int j = 0; j < 4; ++j) f[j] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(qs, 24 - 8 * j), 24));
+      p0 = bf16_pairs(f[0], f[1]);
+      p1 = bf16_pairs(f[2], f[3]);
+    }
+    _mm512_storeu_si512(tile, p0);
+    _mm512_storeu_si512(tile + stride, p1);
+  }
+}
+
+inline __m512bh pair_of(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
+}
+
+// Rows 0 .. MT of x (bfloat16, row stride ldx) times NB row blocks of bfloat16 pairs: out[i * kBfCols + 16 nb + r]
+// (float32). Pair p of block nb (16 rows x 2 columns) at blocks[nb] + p * pstride; sc: [groups, planes, NB * 16]
+// float32 scales (and zeros); xsum: [MT, groups] row sums of x per group.
+template <int MT, int NB>
+void bf16dp_rows(const uint16_t* const* blocks, int64_t pstride, const float* sc, int64_t planes, const uint16_t* x,
+                 int64_t ldx, const float* xsum, int64_t groups, int64_t pairs_per_group, float* out) {
+  __m512 acc[MT][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+    for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_setzero_ps();
+  int64_t at = 0;  // offset of the current pair in each block
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[MT][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+      for (int nb = 0; nb < NB; ++nb) dot[i][nb] = _mm512_setzero_ps();
+    const uint16_t* xg = x + 2 * g * pairs_per_group;
+    for (int64_t p = 0; p < pairs_per_group; ++p, at += pstride) {
+      __m512bh b[NB];
+      for (int nb = 0; nb < NB; ++nb) b[nb] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(blocks[nb] + at));
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m512bh xv = pair_of(xg + i * ldx + 2 * p);
+        for (int nb = 0; nb < NB; ++nb) dot[i][nb] = _mm512_dpbf16_ps(dot[i][nb], xv, b[nb]);
+      }
+    }
+    const float* s = sc + g * planes * NB * kRows;
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+      for (int nb = 0; nb < NB; ++nb) {
+        acc[i][nb] = _mm512_fmadd_ps(dot[i][nb], _mm512_loadu_ps(s + nb * kRows), acc[i][nb]);
+        if (planes == 2)
+          acc[i][nb] = _mm512_fmadd_ps(_mm512_loadu_ps(s + (NB + nb) * kRows), _mm512_set1_ps(xsum[i * groups + g]),
+                                       acc[i][nb]);
+      }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i)
+    for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(out + i * kBfCols + nb * kRows, acc[i][nb]);
+}
+
+// bf16dp_rows for weights of one group (per-channel, and dense 16-bit ones): no per-group accumulator, so twice the
+// rows of x per pass (24 accumulators; 12 x 2 measured ~10% faster than 6 x 2 at 256 rows of a dense weight).
+template <int MT, int NB>
+void bf16dp_rows_one(const uint16_t* const* blocks, int64_t pstride, const float* sc, int64_t planes, const uint16_t* x,
+                     int64_t ldx, const float* xsum, int64_t pairs, float* out) {
+  constexpr int U = MT <= 2 ? 2 : 1;  // independent accumulators per output (few rows: hide vdpbf16ps's latency)
+  __m512 dot[U][MT][NB];
+#pragma GCC unroll 12
+  for (int i = 0; i < MT; ++i)
+    for (int nb = 0; nb < NB; ++nb)
+      for (int u = 0; u < U; ++u) dot[u][i][nb] = _mm512_setzero_ps();
+  for (int64_t p = 0, at = 0; p < pairs; p += U) {  // pairs is even (Kp is a multiple of 32)
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u, at += pstride) {
+      __m512bh b[NB];
+      for (int nb = 0; nb < NB; ++nb) {
+        // weights read in place stream from DRAM: prefetch ahead (into the next row block past a block's end)
+        if (pstride == 32) _mm_prefetch(reinterpret_cast<const char*>(blocks[nb] + at) + kPrefetchBytes, _MM_HINT_T0);
+        b[nb] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(blocks[nb] + at));
+      }
+#pragma GCC unroll 12
+      for (int i = 0; i < MT; ++i) {
+        const __m512bh xv = pair_of(x + i * ldx + 2 * (p + u));
+        for (int nb = 0; nb < NB; ++nb) dot[u][i][nb] = _mm512_dpbf16_ps(dot[u][i][nb], xv, b[nb]);
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < MT; ++i)
+    for (int nb = 0; nb < NB; ++nb) {
+      if constexpr (U == 2) dot[0][i][nb] = _mm512_add_ps(dot[0][i][nb], dot[1][i][nb]);
+      __m512 y = _mm512_mul_ps(dot[0][i][nb], _mm512_loadu_ps(sc + nb * kRows));
+      if (planes == 2) y = _mm512_fmadd_ps(_mm512_loadu_ps(sc + (NB + nb) * kRows), _mm512_set1_ps(xsum[i]), y);
+      _mm512_storeu_ps(out + i * kBfCols + nb * kRows, y);
+    }
+}
+
+template <int NB>
+void bf16dp_strip(int mt, const uint16_t* const* blocks, int64_t pstride, const float* sc, int64_t planes,
+                  const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, int64_t ppg, float* out) {
+  if (groups == 1) {
+    switch (mt) {
+#define KILAT_BF_ONE(MT) \
+      case MT: return bf16dp_rows_one<MT, NB>(blocks, pstride, sc, planes, x, ldx, xsum, ppg, out);
+      KILAT_BF_ONE(12) KILAT_BF_ONE(11) KILAT_BF_ONE(10) KILAT_BF_ONE(9) KILAT_BF_ONE(8) KILAT_BF_ONE(7)
+      KILAT_BF_ONE(6) KILAT_BF_ONE(5) KILAT_BF_ONE(4) KILAT_BF_ONE(3) KILAT_BF_ONE(2)
+#undef KILAT_BF_ONE
+      default: return bf16dp_rows_one<1, NB>(blocks, pstride, sc, planes, x, ldx, xsum, ppg, out);
+    }
+  }
+  switch (mt) {
+    case 6: bf16dp_rows<6, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+    case 5: bf16dp_rows<5, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+    case 4: bf16dp_rows<4, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+    case 3: bf16dp_rows<3, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+    case 2: bf16dp_rows<2, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+    default: bf16dp_rows<1, NB>(blocks, pstride, sc, planes, x, ldx, xsum, groups, ppg, out); break;
+  }
+}
+
+template <typename S>
+void run_gemm_bf16dp(const at::Tensor& x, const uint8_t* qw, const S* sz, const Layout& l, const float* bias,
+                     at::Tensor& out) {
+  const int64_t m = x.size(0), kp = l.chunks * kCols;
+  const auto* xin = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  std::vector<uint16_t> padded;  // x with zero columns up to Kp (the padded weights are 0)
+  if (kp != l.k) {
+    padded.assign(m * kp, 0);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&padded[r * kp], xin + r * l.k, l.k * sizeof(uint16_t));
+  }
+  const uint16_t* xp = kp != l.k ? padded.data() : xin;
+  std::vector<float> xsum(l.planes == 2 ? m * l.groups : 0);
+  if (l.planes == 2)
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < l.groups; ++g) {
+          __m512 s = _mm512_setzero_ps();
+          for (int64_t c = g * l.span; c < (g + 1) * l.span; c += 16) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * kp + c));
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+          }
+          xsum[r * l.groups + g] = _mm512_reduce_add_ps(s);
+        }
+    });
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t units = (l.blocks + kBfBlocks - 1) / kBfBlocks, ppg = l.span / 2;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> tile(l.bits == 16 ? 0 : kp * kBfBlocks * kRows);
+    std::vector<float> sc(l.groups * l.planes * kBfBlocks * kRows);
+    alignas(64) float yb[kBfMTOne * kBfCols];
+    const uint16_t* blocks[kBfBlocks];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t blk0 = u * kBfBlocks, nb = std::min<int64_t>(kBfBlocks, l.blocks - blk0);
+      // 16-bit weights are read in place (their chunks are already pairs); 4- and 8-bit ones unpacked into the tile
+      const int64_t pstride = l.bits == 16 ? 32 : nb * 32;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* bq = qw + (blk0 + b) * l.chunks * l.chunk_bytes;
+        if (l.bits == 16) blocks[b] = reinterpret_cast<const uint16_t*>(bq);
+        else blocks[b] = tile.data() + 32 * b;
+        if (l.bits == 4) unpack_bf16<4>(bq, l, tile.data() + 32 * b, nb * 32);
+        else if (l.bits == 8) unpack_bf16<8>(bq, l, tile.data() + 32 * b, nb * 32);
+        for (int64_t g = 0; g < l.groups; ++g)
+          for (int w = 0; w < l.planes; ++w)
+            for (int r = 0; r < kRows; ++r)
+              sc[(g * l.planes + w) * nb * kRows + b * kRows + r] = scale_at(sz, l, blk0 + b, g, w, r);
+      }
+      const int64_t strip = l.groups == 1 ? kBfMTOne : kBfMT;
+      for (int64_t m0 = 0; m0 < m; m0 += strip) {
+        const int mt = static_cast<int>(std::min<int64_t>(strip, m - m0));
+        const float* xs = l.planes == 2 ? &xsum[m0 * l.groups] : nullptr;
+        if (nb == kBfBlocks)
+          bf16dp_strip<kBfBlocks>(mt, blocks, pstride, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups, ppg, yb);
+        else
+          bf16dp_strip<1>(mt, blocks, pstride, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups, ppg, yb);
+        for (int i = 0; i < mt; ++i)
+          for (int64_t b = 0; b < nb; ++b) {
+            const int64_t n0 = (blk0 + b) * kRows;
+            const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(kRows, l.n - n0)) - 1);
+            __m512 v = _mm512_loadu_ps(yb + i * kBfCols + b * kRows);
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+            _mm256_mask_storeu_epi16(yp + (m0 + i) * l.n + n0, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+          }
+      }
+    }
+  });
+}
+#endif
+
 template <typename S>
 void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const Layout& l,
               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  at::Tensor biasf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = biasf.defined() ? biasf.data_ptr<float>() : nullptr;
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  const S* sz = reinterpret_cast<const S*>(scales.data_ptr());
+#ifdef KILAT_BF16DP
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= bf16dp_min_rows(l.bits)) return run_gemm_bf16dp<S>(x, qw, sz, l, bp, out);
+#endif
+  TORCH_CHECK(l.bits != 16, "16-bit (dense bfloat16) weights need bfloat16 x and the AVX512-BF16 build");
 #ifdef KILAT_AVX2
   [[maybe_unused]] const bool tile = x.size(0) >= kTileRows;
 #else
@@ -746,10 +1009,6 @@ void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
   const bool split = false;
 #endif
   const Activations a = prepare(x, l, split);
-  const uint8_t* qw = qweight.data_ptr<uint8_t>();
-  const S* sz = reinterpret_cast<const S*>(scales.data_ptr());
-  at::Tensor biasf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = biasf.defined() ? biasf.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemm", [&] {
   scalar_t* yp = out.data_ptr<scalar_t>();
   at::parallel_for(0, l.blocks, 1, [&](int64_t begin, int64_t end) {
@@ -807,6 +1066,12 @@ void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
     float tile[16][kRows];  // 16 columns x 16 rows
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t rows = std::min(kRows, l.n - blk * kRows);
+      if (l.bits == 16) {  // the weights themselves (scale 1, no zero)
+        const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < l.k; ++c) out[(blk * kRows + r) * l.k + c] = static_cast<T>(dense_at(bq, r, c));
+        continue;
+      }
       for (int64_t c0 = 0; c0 < l.k; c0 += 16) {
         dequantize_tile(qw, sz, l, blk, c0, tile);
         const int64_t cols = std::min<int64_t>(16, l.k - c0);
@@ -860,6 +1125,10 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& qweight, const at:
           const int64_t blk = id[t] / kRows;
           const int r = static_cast<int>(id[t] % kRows);
           const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
+          if (l.bits == 16) {
+            for (int64_t c = 0; c < l.k; ++c) o[t * l.k + c] = static_cast<scalar_t>(dense_at(bq, r, c));
+            continue;
+          }
           for (int64_t c = 0; c < l.k; ++c) {
             const int64_t g = c / l.span;  // q * s + z rounded twice, as torch computes it
             o[t * l.k + c] = static_cast<scalar_t>(static_cast<float>(q_at(bq, l, r, c)) * scale_at(sz, l, blk, g, 0, r) +
@@ -878,6 +1147,14 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& qweight, const at:
 
 bool has_vnni() {
 #ifdef KILAT_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_bf16dp() {
+#ifdef KILAT_BF16DP
   return true;
 #else
   return false;
@@ -912,4 +1189,5 @@ KILAT_LIBRARY(kilat_quant, m) {
   m.def("has_avx512() -> bool", has_avx512);
   m.def("has_vnni() -> bool", has_vnni);
   m.def("has_avx2() -> bool", has_avx2);
+  m.def("has_bf16dp() -> bool", has_bf16dp);
 }

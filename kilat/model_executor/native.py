@@ -8,11 +8,11 @@ under a file lock so concurrent processes build it once, and loaded with ``torch
 level ``isa`` registers its ops as ``torch.ops.<namespace>_<isa>.*`` (``kilat/csrc/kilat_library.h``), so builds for
 several levels coexist in one process and a test can compare each with the same reference.
 
-The level is the best in :data:`ISAS` that this CPU runs, or ``$KILAT_CPU_ISA`` (``auto``, ``avx512_vnni``,
-``avx512``, ``avx2``, ``portable``); ``load_extension(name, isa)`` takes one explicitly. The x86-64 levels' names
-(``-march=x86-64-v3``/``-v4``) need gcc >= 11 or clang >= 12. Any build or load failure (no compiler, an older
-one, a build or load error) logs one warning and returns ``None``: the callers then take their torch path. Setting
-the extension's environment variable to ``torch`` forces that path. An extension that calls another's ops
+The level is the best in :data:`ISAS` that this CPU runs, or ``$KILAT_CPU_ISA`` (``auto``, ``avx512_bf16``,
+``avx512_vnni``, ``avx512``, ``avx2``, ``portable``); ``load_extension(name, isa)`` takes one explicitly. The x86-64
+levels' names (``-march=x86-64-v3``/``-v4``) need gcc >= 11 or clang >= 12. Any build or load failure (no compiler,
+an older one, a build or load error) logs one warning and returns ``None``: the callers then take their torch path.
+Setting the extension's environment variable to ``torch`` forces that path. An extension that calls another's ops
 (``requires``) loads the same level's build of it first and is unavailable without it.
 """
 
@@ -101,7 +101,10 @@ class Isa:
 
 
 ISAS: dict[str, Isa] = {isa.name: isa for isa in (
-    (Isa("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4_FLAGS | {"avx512_vnni"},
+    (Isa("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+         _V4_FLAGS | {"avx512_vnni", "avx512_bf16"},
+         "AVX-512 float32, AVX512-VNNI for 16-bit activations, AVX512-BF16 dot products from a few rows"),
+     Isa("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4_FLAGS | {"avx512_vnni"},
          "AVX-512 float32 and the AVX512-VNNI integer path for 16-bit activations"),
      Isa("avx512", ("-march=x86-64-v4",), _V4_FLAGS, "AVX-512 float32 (16-bit activations converted to float32)"),
      Isa("avx2", ("-march=x86-64-v3",), _V3_FLAGS, "AVX2 + FMA + F16C, the AVX2 integer and tile paths"),

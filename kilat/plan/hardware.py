@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kilat.bench.mbu import measure_bandwidth
+from kilat.model_executor.layers.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ HARDWARE: dict[str, Hardware] = {
 
 def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Hardware:
     """The local machine, measured on the default device (CUDA when available, else the CPU) in ``dtype`` (the
-    plan's), through ``torch.nn.functional.linear`` as kilat's dense layers call it.
+    plan's), through kilat's dense :class:`~kilat.model_executor.layers.linear.Linear` layers as a model runs them
+    (their weights processed after loading: on CPU bfloat16 packed for kilat's AVX512-BF16 kernels or oneDNN).
 
     Memory bandwidth is what a batch-1 decode step reaches: matrix-vector products over weights well beyond any
     cache (1 GiB on CUDA, 512 MiB on the CPU, in bfloat16; twice that in float32), weight bytes read per second.
@@ -103,14 +105,21 @@ def probe_local(dtype: torch.dtype = torch.bfloat16, seconds: float = 1.5) -> Ha
     # (out, in) of each weight and how many: 2 × 512 MiB (bfloat16) on CUDA, each GEMV outlasting a kernel launch;
     # 32 × 16 MiB on the CPU (beyond the largest L3s), a call's overhead small against 16 MiB of reads
     (rows, cols), count = ((16384, 16384), 2) if cuda else ((4096, 2048), 32)
-    weights = [torch.randn(rows, cols, device=device, dtype=dtype) for _ in range(count)]
+
+    def layer(out_features: int, in_features: int) -> Linear:
+        with torch.device(device):
+            linear = Linear(in_features, out_features, dtype=dtype)
+        linear.load_weight("weight", torch.randn(out_features, in_features, device=device, dtype=dtype))
+        linear.process_weights_after_loading()
+        return linear
+
+    layers = [layer(rows, cols) for _ in range(count)]
     x = torch.randn(1, cols, device=device, dtype=dtype)
-    bandwidth = best(lambda: [torch.nn.functional.linear(x, w) for w in weights],
-                     sum(w.numel() * w.element_size() for w in weights)) / 1e9
+    bandwidth = best(lambda: [linear(x) for linear in layers], count * rows * cols * dtype.itemsize) / 1e9
     tokens, width = (4096, 4096) if cuda else (256, 2048)
     xs = torch.randn(tokens, width, device=device, dtype=dtype)
-    w = weights[0][:width, :width]
-    flops = best(lambda: torch.nn.functional.linear(xs, w), 2 * tokens * width * width) / 1e12
+    square = layer(width, width)
+    flops = best(lambda: square(xs), 2 * tokens * width * width) / 1e12
     copy = measure_bandwidth(256 * 2**20, device=device) / 1e9
     if cuda:
         memory = torch.cuda.get_device_properties(device).total_memory / 1e9

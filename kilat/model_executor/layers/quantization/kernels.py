@@ -14,6 +14,9 @@ to a multiple of 32, the one group then spanning ``Kp``):
   low nibble is ``q[16 r + b // 4, 4 c + b % 4]``, its high nibble ``q[16 r + 8 + b // 4, 4 c + b % 4]``. A chunk
   thus loads (4 bits: and one shift) as 16 32-bit lanes, one output row each with 4 consecutive columns, so the
   kernel accumulates 16 output rows per 512-bit vector with no horizontal sums.
+- 16 bits (``B`` = 128), a dense bfloat16 weight in the same row blocks (:func:`pack_bf16`): each chunk is two column
+  pairs of 16 rows x 2 values, bfloat16 value ``32 p + 2 r + j`` of chunk ``c`` being ``w[16 r' + r, 4 c + 2 p + j]``
+  (the operand order of ``vdpbf16ps``), with one group, scale 1 and no zero plane.
 - ``scales`` float16 or float32 ``[Np / 16, n_groups, P, 16]``: ``[..., 0, i]`` the scale and ``[..., 1, i]`` the
   zero of row ``16 r + i`` (``P`` = 2; ``P`` = 1, no zero plane, when every zero is 0); float16 only where every
   value is exactly a float16 (checked at pack time), so the float32 path matches dequantize-then-matmul.
@@ -32,15 +35,22 @@ computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output ro
   block of 32) was measured here at +6% NLL on SmolLM2 Q4_1; these 16 bits are not measurable
   (``kilat bench quality``, docs/benchmarks.md).
 
+- bfloat16 ``x`` with AVX512-BF16 (the ``avx512_bf16`` build) from 8 rows (4-bit weights) or 16 rows (8-bit), where
+  a step is compute-bound (prefill, batched decode): each pair of row blocks is unpacked once into a tile of ``q`` as
+  bfloat16 (exact: ``q`` has at most 8 significant bits) and multiplied with ``vdpbf16ps`` (32 multiply-adds per
+  instruction, each product exact in float32), summed in float32 per group and scaled as above: dequantize-then-
+  matmul up to float32 rounding, 2-3x the integer path from 16 rows on Zen 5 and ~7x the dense float32 matmul it
+  replaces at prefill sizes (docs/benchmarks.md, "Compute-bound steps").
 - CPUs with AVX2 and FMA but no AVX-512: below 8 rows of ``x``, the same two paths on 256-bit vectors (the integer one
   with ``vpmaddubsw``/``vpmaddwd``); from 8 rows on, any dtype, each block of 16 weight rows is dequantized once into a
   float32 tile (:func:`dequantize`'s values) and multiplied by 6 rows of ``x`` at a time with FMAs: dequantize-then-
   matmul in float32 up to float32 rounding, ~1.6x the integer path at 64 rows on the Zen 1 machine and faster than
   dequantizing for a dense matmul at every prefill size measured (docs/benchmarks.md).
 
-Elsewhere, from :data:`DENSE_MIN_M` rows on (prefill), any dtype, it dequantizes the weight to float32 and runs the
-dense float32 matmul (exact, and faster there). Without the extension (no compiler, build error, or
-``KILAT_QUANT_KERNELS=torch``) everything runs as dequantize-then-``F.linear`` in torch.
+Elsewhere, from :data:`DENSE_MIN_M` rows on (prefill), any dtype but bfloat16 on the AVX512-BF16 build, it
+dequantizes the weight to float32 and runs the dense float32 matmul (exact, and faster there than the FMA paths).
+Without the extension (no compiler, build error, or ``KILAT_QUANT_KERNELS=torch``) everything runs as
+dequantize-then-``F.linear`` in torch.
 """
 
 from __future__ import annotations
@@ -57,7 +67,8 @@ ROWS = 16  # output rows per block (one per 32-bit lane of a 512-bit vector)
 COLS = 4  # columns per chunk (one 32-bit lane holds 4 bytes)
 DENSE_MIN_M = 128
 """From this many rows of ``x`` on (prefill), :func:`quant_linear` dequantizes the weight to float32 and runs the dense
-float32 matmul, whatever ``x``'s dtype, except on AVX2 builds (whose tile path is faster there): exact, and at M = 512
+float32 matmul, whatever ``x``'s dtype, except on AVX2 builds (whose tile path is faster there) and for bfloat16 ``x``
+on AVX512-BF16 builds (the bfloat16 dot-product path, ~7x faster there): exact, and at M = 512
 on an AVX-512 CPU without AMX faster than dense bfloat16 on every SmolLM2 shape; below it the kernels win
 (benchmarks/results/2026-12-02-quant-gemm-cpu1.json)."""
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,7 +79,8 @@ class QuantWeight:
     """An affine group-quantized weight ``w[n, k] = q[n, k] * scale[n, k // G] + zero[n, k // G]``, packed.
 
     Attributes:
-        bits: 4 (``q`` unsigned in [0, 15]) or 8 (``q`` signed in [-128, 127]).
+        bits: 4 (``q`` unsigned in [0, 15]), 8 (``q`` signed in [-128, 127]) or 16 (``q`` the bfloat16 weight itself,
+            scale 1, zero 0: :func:`pack_bf16`).
         group_size: ``G``, divides ``in_features``; ``G == in_features`` is per-channel.
         out_features, in_features: ``N`` and ``K``.
         qweight: uint8 ``[Np / 16, Kp / 4, 32 (4 bits) or 64 (8 bits)]`` (layout in the module docstring).
@@ -172,10 +184,35 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        scales=_narrow_scales(scales))
 
 
+def pack_bf16(weight: torch.Tensor) -> QuantWeight:
+    """A dense bfloat16 weight ``[N, K]`` as a 16-bit :class:`QuantWeight` (the module docstring's layout; ``K`` padded
+    to a multiple of 32 with zeros): what the AVX512-BF16 kernels read in place, at every batch size.
+
+    Raises:
+        ValueError: ``weight`` is not a non-empty 2-D bfloat16 tensor.
+    """
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"weight must be a non-empty 2-D bfloat16 tensor, got {weight.dtype} of shape "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    np_, kp = _round_up(n, ROWS), _round_up(k, 32)  # one group spanning Kp, as a per-channel weight's
+    padded = torch.zeros(np_, kp, dtype=torch.bfloat16, device=weight.device)
+    padded[:n, :k] = weight
+    # [Np/16, 16 rows, Kp/4 chunks, 2 pairs, 2] -> [Np/16, chunks, pairs, rows, 2]
+    blocks = padded.view(np_ // ROWS, ROWS, kp // COLS, 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    qweight = blocks.view(torch.uint8).reshape(np_ // ROWS, kp // COLS, 128)
+    scales = torch.ones(np_ // ROWS, 1, 1, ROWS, dtype=torch.float32, device=weight.device)
+    return QuantWeight(bits=16, group_size=k, out_features=n, in_features=k, qweight=qweight, scales=scales)
+
+
 def _unpack_blocks(w: QuantWeight, blocks: torch.Tensor) -> torch.Tensor:
-    """The integer ``q`` (float32, ``[B, 16, Kp]``) of row blocks ``w.qweight[blocks]``."""
-    qb = w.qweight[blocks]  # [B, chunks, 32 or 64]
+    """The ``q`` (float32, ``[B, 16, Kp]``) of row blocks ``w.qweight[blocks]``: integers for 4 and 8 bits, the
+    bfloat16 weights for 16."""
+    qb = w.qweight[blocks]  # [B, chunks, 32, 64 or 128]
     b, chunks = qb.shape[0], qb.shape[1]
+    if w.bits == 16:
+        pairs = qb.view(torch.bfloat16).view(b, chunks, 2, ROWS, 2).to(torch.float32)  # [B, chunks, pair, row, 2]
+        return pairs.permute(0, 3, 1, 2, 4).reshape(b, ROWS, chunks * COLS)
     if w.bits == 4:
         lanes = qb.view(b, chunks, ROWS // 2, COLS)
         q = torch.cat([lanes & 0x0F, lanes >> 4], dim=2).to(torch.float32)  # [B, chunks, 16, 4]
@@ -230,11 +267,12 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         bias: ``[N]`` or ``None``.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``. With the C++ kernels: below :data:`DENSE_MIN_M` rows the float32 path or,
-        for 16-bit ``x`` on AVX512-VNNI or AVX2, the integer path, and on AVX2 from 8 rows the tile path (all in the
-        module docstring), rounded once to ``x.dtype``; from :data:`DENSE_MIN_M` rows (not on AVX2) the dense
-        float32 matmul of the dequantized weight. On the
-        torch path ``F.linear(x, dequantize(w, x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds
+        ``[..., N]`` in ``x.dtype``. With the C++ kernels: for bfloat16 ``x`` on AVX512-BF16 from 8 rows (4-bit
+        weights) or 16 (8-bit) the bfloat16 dot-product path; otherwise below :data:`DENSE_MIN_M` rows the float32
+        path or, for 16-bit ``x`` on AVX512-VNNI or AVX2, the integer path, and on AVX2 from 8 rows the tile path
+        (all in the module docstring), rounded once to ``x.dtype``; from :data:`DENSE_MIN_M` rows (not on AVX2) the
+        dense float32 matmul of the dequantized weight. On the torch path
+        ``F.linear(x, dequantize(w, x.dtype), bias)``, which for bfloat16/float16 ``x`` also rounds
         the weight to that dtype.
 
     Raises:
@@ -243,9 +281,11 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
-    if ops is None or x.dtype not in NATIVE_DTYPES:
+    if ops is None or x.dtype not in NATIVE_DTYPES or (w.bits == 16 and not (x.dtype == torch.bfloat16
+                                                                           and ops.has_bf16dp())):
         return F.linear(x, dequantize(w, x.dtype), bias)
-    if x.numel() >= DENSE_MIN_M * w.in_features and not ops.has_avx2():
+    if (x.numel() >= DENSE_MIN_M * w.in_features and not ops.has_avx2()
+            and not (x.dtype == torch.bfloat16 and ops.has_bf16dp())):
         y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))
         return y.to(x.dtype)
     return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
