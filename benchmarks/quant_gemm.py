@@ -4,7 +4,9 @@
 For each SmolLM2-135M shape (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, lm_head 49152x576) and
 each M, it times (median of ``--repeats`` timed batches of calls, after a warm-up), with bfloat16 activations:
 
-- ``dense_bf16``: oneDNN's packed bfloat16 linear (kilat's unquantized CPU path);
+- ``dense_bf16``: oneDNN's packed bfloat16 linear (kilat's unquantized CPU path on builds without AVX512-BF16);
+- ``kilat_bf16_packed``: the same dense weight packed by :func:`kilat...kernels.pack_bf16` (kilat's unquantized
+  CPU path on ``avx512_bf16`` builds; elsewhere it falls back to ``F.linear`` of the unpacked weight);
 - ``torch_int4_g32``: ``aten._weight_int4pack_mm_for_cpu`` (group 32); ``torch_int8_pc``: ``aten._weight_int8pack_mm``
   (per-channel);
 - ``kilat_q4_g32``, ``kilat_q8_g32``, ``kilat_q8_pc``: :func:`kilat...kernels.quant_linear` (float16 scales);
@@ -61,6 +63,7 @@ def candidates(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(n, k, generator=g).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(dense)
+    bf16 = kernels.pack_bf16(dense)  # kilat's own packing of a dense bfloat16 weight (16-bit QuantWeight)
     q4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     s32 = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
@@ -75,6 +78,7 @@ def candidates(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch
     return {
         "dense_bf16": (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), n * k * 2,
                        False),
+        "kilat_bf16_packed": (lambda x: kernels.quant_linear(x, bf16), bf16.nbytes, False),
         "torch_int4_g32": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, sz),
                            int4.numel() * int4.element_size() + sz.numel() * 2, False),
         "torch_int8_pc": (lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8), n * k + n * 2, False),
