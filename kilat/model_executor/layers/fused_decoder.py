@@ -6,10 +6,10 @@ to ``torch.ops.kilat_cpu_decoder_<isa>.decoder_layer``, which calls the same ker
 (RMSNorm, the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs
 are bit for bit those of the layer's Python forward. It applies only where that forward would run exactly those
 kernels: every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the
-CPU, a step of decodes only (fewer than ``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention
-backend (whose ``paged_attention`` it calls).
-Everything else (prefill chunks, dense, act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes
-the Python forward, layer by layer.
+CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step of decodes only (fewer than
+``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention backend (whose ``paged_attention`` it
+calls). Everything else (prefill chunks, other dense weights, act-order or multi-part weights, CUDA,
+``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.
 """
 
 from __future__ import annotations
