@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from kilat.config import ModelConfig
 from kilat.model_executor.layers import FusedDecoderLayer
 from kilat.model_executor.loader import get_model
-from kilat.model_executor.native import load_extension
+from kilat.model_executor.native import cpu_flags, load_extension
 from tests.test_models import CASES, _Sequences
 
 
@@ -107,11 +107,15 @@ def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dense_weights_fuse_where_packed_for_bf16_kernels(checkpoint: Path, dtype: str) -> None:
-    """Dense weights fuse exactly where they are packed as 16-bit QuantWeights (bfloat16 on the avx512_bf16 build),
-    and then decode bit for bit like the Python forward; elsewhere (float32, other builds) no layer fuses."""
+    """Dense weights fuse exactly where they are packed as 16-bit QuantWeights (bfloat16 on the avx512_bf16 build,
+    on a CPU without AMX), and then decode bit for bit like the Python forward; elsewhere (float32, other builds, AMX
+    CPUs, whose dense weights oneDNN packs) no layer fuses."""
     model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype), "cpu")
     quant = load_extension("quant_gemm")
-    if dtype == "bfloat16" and quant is not None and quant.has_bf16dp():
+    packs = dtype == "bfloat16" and quant is not None and quant.has_bf16dp() and "amx_bf16" not in cpu_flags()
+    layer0 = model.model.layers[0].self_attn.qkv_proj.quant_method.packed_weight()
+    assert (layer0 is not None and layer0.bits == 16) == packs
+    if packs:
         assert all(layer.fused is not None for layer in model.model.layers)
         fused_logits, fused_kv = _run(model, fused=True)
         python_logits, python_kv = _run(model, fused=False)

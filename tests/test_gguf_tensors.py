@@ -20,7 +20,7 @@ from kilat.bench.mbu import weight_bytes
 from kilat.config import ModelConfig
 from kilat.engine.tokenizer import get_tokenizer
 from kilat.model_executor.layers import Linear, process_weights_after_loading
-from kilat.model_executor.layers.quantization import UnquantizedLinearMethod, kernels
+from kilat.model_executor.layers.quantization import UnquantizedLinearMethod, kernels, unquantized
 from kilat.model_executor.layers.quantization.gguf_blocks import GGUFTensor, dequantize, unpack_blocks
 from kilat.model_executor.layers.quantization.gguf_method import GGUFConfig, gguf_weights
 from kilat.model_executor.loader import converted_gguf_dir, embedded_gguf_path, get_model
@@ -367,6 +367,33 @@ def test_gguf_method_matches_dequantize_then_matmul(tmp_path: Path, tied: bool) 
     native_logits, dense_logits = _logits(native, ids.tolist()), _logits(dense, ids.tolist())
     torch.testing.assert_close(native_logits, dense_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(native_logits.argmax(-1), dense_logits.argmax(-1))
+
+
+def test_dense_gguf_layers_in_bfloat16_are_counted_and_fuse_however_packed(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF layer with no quantized shard (BF16 o_proj) runs as UnquantizedLinearMethod, whose bfloat16 weight is
+    packed (a 16-bit QuantWeight for kilat's AVX512-BF16 kernels, else oneDNN): ``weight_bytes`` counts it either
+    way (within the packing's padding), and the 16-bit form is the layer's ``packed_weight`` (so it can fuse)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", small=True)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+
+    def load() -> LlamaForCausalLM:
+        model = LlamaForCausalLM(config, torch.bfloat16, GGUFConfig())
+        model.load_weights(gguf_weights(iterate_gguf_tensors(str(path), config)))
+        process_weights_after_loading(model)
+        return model
+
+    kilat_packs = unquantized._bf16_kernels()
+    packed = load()
+    monkeypatch.setattr(unquantized, "_bf16_kernels", lambda: False)
+    other = load()
+    method = packed.model.layers[1].self_attn.o_proj.quant_method
+    assert isinstance(method._dense, UnquantizedLinearMethod)
+    weight = method.packed_weight()
+    assert (weight is not None and weight.bits == 16) == kilat_packs
+    assert other.model.layers[1].self_attn.o_proj.quant_method.packed_weight() is None
+    assert abs(weight_bytes(packed) - weight_bytes(other)) <= 0.01 * weight_bytes(other)
 
 
 def test_gguf_method_rejects_a_wrong_shape(tmp_path: Path) -> None:

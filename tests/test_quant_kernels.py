@@ -166,8 +166,31 @@ def test_pack_without_zero_and_q4_1_mapping() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n: int, k: int, group: int, m: int,
                                                     dtype: torch.dtype) -> None:
-    q, scale, zero = make_weight(bits, n, k, group, seed=m, zero=not (bits == 8 and group == k))  # no zero plane
+    assert_quant_linear_within_bound(backend, bits, n, k, group, m, dtype, half_scales=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("bits,n,k,group", [(4, 33, 160, 32), (8, 40, 48, 16), (8, 16, 576, 576), (4, 17, 37, 37)])
+@pytest.mark.parametrize("m", [8, 16, 130])
+def test_half_scales_through_the_bfloat16_paths(backend: str, bits: int, n: int, k: int, group: int, m: int) -> None:
+    """float16 scales and zeros (as GGUF's Q4_0, Q4_1 and Q8_0 store them) with bfloat16 x: the integer and the
+    bfloat16 dot-product paths read them like float32 ones (the same bound); on 2 threads, at 130 rows a layer of
+    one or two 16-row blocks (N = 16, 17) also splits its rows of x between the threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_quant_linear_within_bound(backend, bits, n, k, group, m, torch.bfloat16, half_scales=True)
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_quant_linear_within_bound(backend: str, bits: int, n: int, k: int, group: int, m: int, dtype: torch.dtype,
+                                     half_scales: bool) -> None:
+    """quant_linear of a random packed weight against the exact product, within the module docstring's bound."""
+    q, scale, zero = make_weight(bits, n, k, group, seed=m, zero=not (bits == 8 and group == k),  # no zero plane
+                                 half_scales=half_scales)
     w = pack_weight(q, scale, zero, bits)
+    assert (w.scales.dtype == torch.float16) == half_scales
     g = torch.Generator().manual_seed(100 + m)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype) if m != 3 else None

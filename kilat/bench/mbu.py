@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kilat.model_executor.layers.quantization.base import LinearMethod
+
 
 def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Memory bandwidth in bytes/s from the best of ``repeats`` copies of a ``num_bytes`` tensor on ``device``
@@ -34,13 +36,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     embedding itself is not counted, and a tied ``lm_head`` that shares it counts it once)."""
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    held = {}
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        for value in vars(method).values() if method is not None else ():
+    held: dict[int, int] = {}
+
+    def hold(method: Any) -> None:  # what a method holds, and what a method it delegates to holds
+        for value in vars(method).values():
             for item in value if isinstance(value, list) else [value]:  # a list: the parts of a GGUF layer
                 if isinstance(getattr(item, "nbytes", None), int):
                     held[id(item)] = item.nbytes
+                elif isinstance(item, LinearMethod):  # e.g. a GGUF layer's dense fallback
+                    hold(item)
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            hold(method)
     total += sum(held.values())
     embed = getattr(model.model.embed_tokens, "weight", None)
     if embed is not None and getattr(model.lm_head, "weight", None) is not embed:

@@ -424,71 +424,6 @@ void attend(const Problem& p, const void* cache, const Span& sp, int64_t begin, 
   }
 }
 
-#ifdef KILAT_AVX2
-// attend() for a decode (one token, which sees every key of [begin, end)) with G <= 3 query heads per KV head,
-// head_dim a multiple of 16 and the cache in the model dtype, without attend's float32 copies of each tile's K and V
-// rows (on AVX2 CPUs those conversions and stores took about half the time): each 8 values of a key or value row are
-// converted once, in a register, and used for all G heads. Scores of 4 keys x G heads in 4G independent FMA chains,
-// each head's 4 sums in one hadd tree; the V sums as attend's (per lane, key by key), 16 lanes at a time.
-// Not inlined: its registers then do not depend on the caller's loop (inlined in run's, it measured 1% slower).
-template <typename T, int G>
-__attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, const Span& sp, int64_t begin,
-                                           int64_t end, Scratch& sc, State st) {
-  const int64_t dim = p.dim;
-  st.reset(p);
-  const T* krow[kTile];
-  const T* vrow[kTile];
-  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
-    const int64_t n = std::min(kTile, end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      krow[j] = cache + p.key_row(sp.r, sp.h, t0 + j);
-      vrow[j] = krow[j] + p.values;
-    }
-    float* s = sc.s.data();  // [G, kTile]
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      __m256 acc[G][4];
-      for (int g = 0; g < G; ++g)
-        for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 8)
-        for (int r = 0; r < 4; ++r) {
-          const __m256 kv = load8(krow[j + r] + i);
-          for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(&sc.q[g * dim + i]), kv, acc[g][r]);
-        }
-      for (int g = 0; g < G; ++g) store_sums4(acc[g], s + g * kTile + j);
-    }
-    for (; j < n; ++j) {
-      __m256 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 8) {
-        const __m256 kv = load8(krow[j] + i);
-        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(&sc.q[g * dim + i]), kv, acc[g]);
-      }
-      for (int g = 0; g < G; ++g) s[g * kTile + j] = hsum8(acc[g]);
-    }
-    for (int g = 0; g < G; ++g) {
-      soft_cap(p, s + g * kTile, n);
-      scale(softmax_step(s + g * kTile, n, st.m[g], st.l[g]), &st.acc[g * dim], dim);
-    }
-    for (int64_t i = 0; i < dim; i += 16) {
-      __m256 a[G][2];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 2; ++c) a[g][c] = _mm256_loadu_ps(&st.acc[g * dim + i + 8 * c]);
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const __m256 v0 = load8(vrow[jj] + i), v1 = load8(vrow[jj] + i + 8);
-        for (int g = 0; g < G; ++g) {
-          const __m256 pj = _mm256_set1_ps(s[g * kTile + jj]);
-          a[g][0] = _mm256_fmadd_ps(pj, v0, a[g][0]);
-          a[g][1] = _mm256_fmadd_ps(pj, v1, a[g][1]);
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(&st.acc[g * dim + i + 8 * c], a[g][c]);
-    }
-  }
-}
-#endif
-
 #ifdef KILAT_AVX512
 // The 4 horizontal sums of acc[0:4] into s[0:4]: pairs of lanes summed within each 128-bit block (unpack, shuffle),
 // then the four blocks summed.
@@ -499,15 +434,48 @@ inline void store_sums4(const __m512 acc[4], float* s) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
   _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
+#endif
 
-// attend() for a decode (one token, which sees every key of [begin, end)) with G <= 4 query heads per KV head,
-// head_dim a multiple of 16 and the cache in the model dtype, without attend's float32 copies of each tile's K and V
-// rows: each 16 values of a key or value row are converted once, in a register, and used for all G heads. Scores of
-// 4 keys x G heads in 4G independent FMA chains, each head's 4 sums in one shuffle tree; the V sums per lane, key by
-// key, 16 lanes at a time (the AVX2 attend_rows on 512-bit vectors: 2.5x the generic attend on Zen 5).
+#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
+// kW float32 lanes per vector, on AVX-512 or AVX2.
+#ifdef KILAT_AVX512
+using Vec = __m512;
+constexpr int kW = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+template <typename T>
+inline Vec vload_row(const T* p) { return load16(p); }  // kW values of a cache row as float32
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using Vec = __m256;
+constexpr int kW = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+template <typename T>
+inline Vec vload_row(const T* p) { return load8(p); }
+inline float vsum(Vec v) { return hsum8(v); }
+#endif
+
+// attend() for a decode (one token, which sees every key of [begin, end)) with G query heads per KV head (G <= 4 on
+// AVX-512, <= 3 on AVX2's 16 registers), head_dim a multiple of 16 and the cache in the model dtype, without attend's
+// float32 copies of each tile's K and V rows (on AVX2 CPUs those conversions and stores took about half the time):
+// each kW values of a key or value row are converted once, in a register, and used for all G heads. Scores of 4 keys
+// x G heads in 4G independent FMA chains, each head's 4 sums in one shuffle tree; the V sums as attend's (per lane,
+// key by key), 16 lanes at a time; the next tile's rows prefetched (a KV head's rows are strided in the cache, which
+// the hardware prefetchers followed at 14 GB/s on Zen 5: 16 decodes of 264 keys, 30 layers, 3.1x faster with it).
+// Not inlined: its registers then do not depend on the caller's loop (inlined in run's, it measured 1% slower).
 template <typename T, int G>
 __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, const Span& sp, int64_t begin,
                                            int64_t end, Scratch& sc, State st) {
+  constexpr int C = 16 / kW;  // vectors per 16 lanes of a V row
   const int64_t dim = p.dim;
   st.reset(p);
   const T* krow[kTile];
@@ -518,8 +486,6 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, con
       krow[j] = cache + p.key_row(sp.r, sp.h, t0 + j);
       vrow[j] = krow[j] + p.values;
     }
-    // the next tile's rows from DRAM while this one is computed (the cache's rows of one KV head are strided, which
-    // the hardware prefetchers follow badly: 14 GB/s without this at 16 decodes of 264 keys, 30 layers)
     for (int64_t j = t0 + kTile; j < std::min(end, t0 + 2 * kTile); ++j) {
       const char* k = reinterpret_cast<const char*>(cache + p.key_row(sp.r, sp.h, j));
       const char* v = reinterpret_cast<const char*>(cache + p.key_row(sp.r, sp.h, j) + p.values);
@@ -531,37 +497,43 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, con
     float* s = sc.s.data();  // [G, kTile]
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-      __m512 acc[G][4];
+      Vec acc[G][4];
       for (int g = 0; g < G; ++g)
-        for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 16)
+        for (int r = 0; r < 4; ++r) acc[g][r] = vzero();
+      for (int64_t i = 0; i < dim; i += kW)
         for (int r = 0; r < 4; ++r) {
-          const __m512 kv = load16(krow[j + r] + i);
-          for (int g = 0; g < G; ++g) acc[g][r] = _mm512_fmadd_ps(_mm512_loadu_ps(&sc.q[g * dim + i]), kv, acc[g][r]);
+          const Vec kv = vload_row(krow[j + r] + i);
+          for (int g = 0; g < G; ++g) acc[g][r] = vfma(vload(&sc.q[g * dim + i]), kv, acc[g][r]);
         }
       for (int g = 0; g < G; ++g) store_sums4(acc[g], s + g * kTile + j);
     }
     for (; j < n; ++j) {
-      __m512 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 16) {
-        const __m512 kv = load16(krow[j] + i);
-        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(&sc.q[g * dim + i]), kv, acc[g]);
+      Vec acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = vzero();
+      for (int64_t i = 0; i < dim; i += kW) {
+        const Vec kv = vload_row(krow[j] + i);
+        for (int g = 0; g < G; ++g) acc[g] = vfma(vload(&sc.q[g * dim + i]), kv, acc[g]);
       }
-      for (int g = 0; g < G; ++g) s[g * kTile + j] = _mm512_reduce_add_ps(acc[g]);
+      for (int g = 0; g < G; ++g) s[g * kTile + j] = vsum(acc[g]);
     }
     for (int g = 0; g < G; ++g) {
       soft_cap(p, s + g * kTile, n);
       scale(softmax_step(s + g * kTile, n, st.m[g], st.l[g]), &st.acc[g * dim], dim);
     }
     for (int64_t i = 0; i < dim; i += 16) {
-      __m512 a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm512_loadu_ps(&st.acc[g * dim + i]);
+      Vec a[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) a[g][c] = vload(&st.acc[g * dim + i + kW * c]);
       for (int64_t jj = 0; jj < n; ++jj) {
-        const __m512 v = load16(vrow[jj] + i);
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * kTile + jj]), v, a[g]);
+        Vec v[C];
+        for (int c = 0; c < C; ++c) v[c] = vload_row(vrow[jj] + i + kW * c);
+        for (int g = 0; g < G; ++g) {
+          const Vec pj = vset1(s[g * kTile + jj]);
+          for (int c = 0; c < C; ++c) a[g][c] = vfma(pj, v[c], a[g][c]);
+        }
       }
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(&st.acc[g * dim + i], a[g]);
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) vstore(&st.acc[g * dim + i + kW * c], a[g][c]);
     }
   }
 }
@@ -587,26 +559,6 @@ void attend_decode(const Problem& p, const void* cache, const Span& sp, int64_t 
 }
 
 #if defined(KILAT_AVX512) || defined(KILAT_AVX2)
-// kW float32 lanes per vector, on AVX-512 or AVX2.
-#ifdef KILAT_AVX512
-using Vec = __m512;
-constexpr int kW = 16;
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm512_set1_ps(x); }
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-#else
-using Vec = __m256;
-constexpr int kW = 8;
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm256_set1_ps(x); }
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-#endif
 constexpr int kKeyVecs = kTile / kW;  // vectors per row of a tile's scores
 constexpr int kRowBlock = kW / 2;     // rows whose scores are computed together: 8 independent FMA chains
 
@@ -716,7 +668,7 @@ __attribute__((noinline)) void attend_tile_bf16(const Problem& p, const c10::BFl
   const int32_t* krow[kTile];
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
-    for (int64_t j = 0; j < kTile; ++j) {  // keys past n read key 0 again (their scores are masked)
+    for (int64_t j = 0; j < kTile; ++j) {  // keys past n read key n - 1 again (their scores are masked)
       const int64_t row = p.key_row(sp.r, sp.h, t0 + std::min(j, n - 1));
       krow[j] = reinterpret_cast<const int32_t*>(cache + row);
       if (j < n) to_float(cache + row + p.values, &sc.v[j * dim], dim);

@@ -97,6 +97,7 @@ Layout layout_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t bi
   l.k = k;
   l.blocks = qweight.size(0);
   TORCH_CHECK(l.span * l.groups == l.chunks * kCols && l.span % 16 == 0, "group size does not fit qweight");
+  TORCH_CHECK(bits != 16 || (l.groups == 1 && l.planes == 1), "16-bit weights have one group and no zero plane");
   TORCH_CHECK(n <= l.blocks * kRows && k <= l.chunks * kCols, "N/K do not fit qweight");
   return l;
 }
@@ -862,8 +863,8 @@ void bf16dp_rows(const uint16_t* const* blocks, int64_t pstride, const float* sc
 // bf16dp_rows for weights of one group (per-channel, and dense 16-bit ones): no per-group accumulator, so twice the
 // rows of x per pass (24 accumulators; 12 x 2 measured ~10% faster than 6 x 2 at 256 rows of a dense weight).
 template <int MT, int NB>
-void bf16dp_rows_one(const uint16_t* const* blocks, int64_t pstride, const float* sc, int64_t planes, const uint16_t* x,
-                     int64_t ldx, const float* xsum, int64_t pairs, float* out) {
+void bf16dp_rows_one(const uint16_t* const* blocks, int64_t pstride, bool in_place, const float* sc, int64_t planes,
+                     const uint16_t* x, int64_t ldx, const float* xsum, int64_t pairs, float* out) {
   constexpr int U = MT <= 2 ? 2 : 1;  // independent accumulators per output (few rows: hide vdpbf16ps's latency)
   __m512 dot[U][MT][NB];
 #pragma GCC unroll 12
@@ -876,7 +877,7 @@ void bf16dp_rows_one(const uint16_t* const* blocks, int64_t pstride, const float
       __m512bh b[NB];
       for (int nb = 0; nb < NB; ++nb) {
         // weights read in place stream from DRAM: prefetch ahead (into the next row block past a block's end)
-        if (pstride == 32) _mm_prefetch(reinterpret_cast<const char*>(blocks[nb] + at) + kPrefetchBytes, _MM_HINT_T0);
+        if (in_place) _mm_prefetch(reinterpret_cast<const char*>(blocks[nb] + at) + kPrefetchBytes, _MM_HINT_T0);
         b[nb] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(blocks[nb] + at));
       }
 #pragma GCC unroll 12
@@ -897,16 +898,17 @@ void bf16dp_rows_one(const uint16_t* const* blocks, int64_t pstride, const float
 }
 
 template <int NB>
-void bf16dp_strip(int mt, const uint16_t* const* blocks, int64_t pstride, const float* sc, int64_t planes,
-                  const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, int64_t ppg, float* out) {
+void bf16dp_strip(int mt, const uint16_t* const* blocks, int64_t pstride, bool in_place, const float* sc,
+                  int64_t planes, const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, int64_t ppg,
+                  float* out) {
   if (groups == 1) {
     switch (mt) {
 #define KILAT_BF_ONE(MT) \
-      case MT: return bf16dp_rows_one<MT, NB>(blocks, pstride, sc, planes, x, ldx, xsum, ppg, out);
+      case MT: return bf16dp_rows_one<MT, NB>(blocks, pstride, in_place, sc, planes, x, ldx, xsum, ppg, out);
       KILAT_BF_ONE(12) KILAT_BF_ONE(11) KILAT_BF_ONE(10) KILAT_BF_ONE(9) KILAT_BF_ONE(8) KILAT_BF_ONE(7)
       KILAT_BF_ONE(6) KILAT_BF_ONE(5) KILAT_BF_ONE(4) KILAT_BF_ONE(3) KILAT_BF_ONE(2)
 #undef KILAT_BF_ONE
-      default: return bf16dp_rows_one<1, NB>(blocks, pstride, sc, planes, x, ldx, xsum, ppg, out);
+      default: return bf16dp_rows_one<1, NB>(blocks, pstride, in_place, sc, planes, x, ldx, xsum, ppg, out);
     }
   }
   switch (mt) {
@@ -945,19 +947,27 @@ void run_gemm_bf16dp(const at::Tensor& x, const uint8_t* qw, const S* sz, const 
     });
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t units = (l.blocks + kBfBlocks - 1) / kBfBlocks, ppg = l.span / 2;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  const int64_t strip = l.groups == 1 ? kBfMTOne : kBfMT;
+  // A narrow layer (a MoE router, a shared-expert gate: one or two units) would leave threads idle: its rows of x are
+  // split too, in parts of at least 64 rows, each task unpacking its unit for its part.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = units >= threads ? 1 : std::max<int64_t>(1, std::min((threads + units - 1) / units, m / 64));
+  const int64_t part_rows = ((m + parts - 1) / parts + kBfMTOne - 1) / kBfMTOne * kBfMTOne;  // whole strips of 6 or 12
+  at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> tile(l.bits == 16 ? 0 : kp * kBfBlocks * kRows);
     std::vector<float> sc(l.groups * l.planes * kBfBlocks * kRows);
     alignas(64) float yb[kBfMTOne * kBfCols];
     const uint16_t* blocks[kBfBlocks];
-    for (int64_t u = begin; u < end; ++u) {
+    int64_t unpacked = -1;  // the unit in tile and sc
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t u = task / parts, m_begin = (task % parts) * part_rows, m_end = std::min(m, m_begin + part_rows);
       const int64_t blk0 = u * kBfBlocks, nb = std::min<int64_t>(kBfBlocks, l.blocks - blk0);
       // 16-bit weights are read in place (their chunks are already pairs); 4- and 8-bit ones unpacked into the tile
-      const int64_t pstride = l.bits == 16 ? 32 : nb * 32;
-      for (int64_t b = 0; b < nb; ++b) {
+      const bool in_place = l.bits == 16;
+      const int64_t pstride = in_place ? 32 : nb * 32;
+      for (int64_t b = 0; b < nb && unpacked != u; ++b) {
         const uint8_t* bq = qw + (blk0 + b) * l.chunks * l.chunk_bytes;
-        if (l.bits == 16) blocks[b] = reinterpret_cast<const uint16_t*>(bq);
-        else blocks[b] = tile.data() + 32 * b;
+        blocks[b] = in_place ? reinterpret_cast<const uint16_t*>(bq) : tile.data() + 32 * b;
         if (l.bits == 4) unpack_bf16<4>(bq, l, tile.data() + 32 * b, nb * 32);
         else if (l.bits == 8) unpack_bf16<8>(bq, l, tile.data() + 32 * b, nb * 32);
         for (int64_t g = 0; g < l.groups; ++g)
@@ -965,14 +975,15 @@ void run_gemm_bf16dp(const at::Tensor& x, const uint8_t* qw, const S* sz, const 
             for (int r = 0; r < kRows; ++r)
               sc[(g * l.planes + w) * nb * kRows + b * kRows + r] = scale_at(sz, l, blk0 + b, g, w, r);
       }
-      const int64_t strip = l.groups == 1 ? kBfMTOne : kBfMT;
-      for (int64_t m0 = 0; m0 < m; m0 += strip) {
-        const int mt = static_cast<int>(std::min<int64_t>(strip, m - m0));
+      unpacked = u;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += strip) {
+        const int mt = static_cast<int>(std::min<int64_t>(strip, m_end - m0));
         const float* xs = l.planes == 2 ? &xsum[m0 * l.groups] : nullptr;
         if (nb == kBfBlocks)
-          bf16dp_strip<kBfBlocks>(mt, blocks, pstride, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups, ppg, yb);
+          bf16dp_strip<kBfBlocks>(mt, blocks, pstride, in_place, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups,
+                                  ppg, yb);
         else
-          bf16dp_strip<1>(mt, blocks, pstride, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups, ppg, yb);
+          bf16dp_strip<1>(mt, blocks, pstride, in_place, sc.data(), l.planes, xp + m0 * kp, kp, xs, l.groups, ppg, yb);
         for (int i = 0; i < mt; ++i)
           for (int64_t b = 0; b < nb; ++b) {
             const int64_t n0 = (blk0 + b) * kRows;

@@ -113,9 +113,14 @@ ISAS: dict[str, Isa] = {isa.name: isa for isa in (
 """Levels best first; on a CPU other than x86-64 only ``portable`` (compiled for the CPU's own baseline)."""
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` spells them (e.g. ``avx512_bf16``, ``amx_bf16``)."""
+    return frozenset(_cpu_flags().split())
+
+
 def missing_cpu_flags(isa: Isa) -> frozenset[str]:
     """The CPU flags ``isa`` needs that this CPU lacks (empty: it runs ``isa``)."""
-    return isa.cpu_flags - set(_cpu_flags().split())
+    return isa.cpu_flags - cpu_flags()
 
 
 @functools.cache

@@ -140,8 +140,11 @@ class GGUFLinearMethod(LinearMethod):
         return y if layer.bias is None else y + layer.bias
 
     def packed_weight(self) -> kernels.QuantWeight | None:
-        """The one packed part (all shards affine with the same bits and group size), else ``None``."""
-        if self._dense is None and self.parts is not None and len(self.parts) == 1:
+        """The one packed part (all shards affine with the same bits and group size), the dense fallback's packed
+        weight (:class:`UnquantizedLinearMethod`'s, when every shard is dense), else ``None``."""
+        if self._dense is not None:
+            return self._dense.packed_weight()
+        if self.parts is not None and len(self.parts) == 1:
             part = self.parts[0]
             return part if isinstance(part, kernels.QuantWeight) else None
         return None

@@ -83,7 +83,8 @@ class QuantWeight:
             scale 1, zero 0: :func:`pack_bf16`).
         group_size: ``G``, divides ``in_features``; ``G == in_features`` is per-channel.
         out_features, in_features: ``N`` and ``K``.
-        qweight: uint8 ``[Np / 16, Kp / 4, 32 (4 bits) or 64 (8 bits)]`` (layout in the module docstring).
+        qweight: uint8 ``[Np / 16, Kp / 4, 32 (4 bits), 64 (8 bits) or 128 (16 bits)]`` (layout in the module
+            docstring).
         scales: float16 or float32 ``[Np / 16, n_groups, 2 or 1, 16]`` (scale, and zero unless all are 0).
     """
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from kilat.model_executor.layers.quantization import kernels
 from kilat.model_executor.layers.quantization.base import LinearMethod
+from kilat.model_executor.native import cpu_flags
 
 if TYPE_CHECKING:
     from kilat.model_executor.layers.linear import Linear
@@ -24,15 +25,19 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def _bf16_kernels() -> bool:
+    """Whether dense bfloat16 weights go to kilat's AVX512-BF16 kernels: built, and not on a CPU with AMX, whose tiles
+    oneDNN's bfloat16 GEMM uses (kilat has no AMX code yet; at prefill sizes AMX outruns ``vdpbf16ps`` several
+    times over)."""
     ops = kernels.native_ops()
-    return ops is not None and ops.has_bf16dp()
+    return ops is not None and ops.has_bf16dp() and "amx_bf16" not in cpu_flags()
 
 
 class UnquantizedLinearMethod(LinearMethod):
     """``F.linear`` on the checkpoint's weight in the model dtype.
 
     On CPU in bfloat16 the weight is replaced after loading by a packed copy: with kilat's AVX512-BF16 kernels (the
-    ``avx512_bf16`` build) a 16-bit :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight`
+    ``avx512_bf16`` build, on a CPU without AMX) a 16-bit
+    :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight`
     (:func:`~kilat.model_executor.layers.quantization.kernels.pack_bf16`), multiplied with ``vdpbf16ps`` at every
     batch size and fused into the decoder-layer op like the quantized weights (a batch-1 decode step reads the
     weights near the memory bandwidth, docs/benchmarks.md); otherwise a oneDNN-blocked copy (the layout
