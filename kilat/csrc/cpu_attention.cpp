@@ -730,15 +730,24 @@ __attribute__((noinline)) void attend_tile_bf16(const Problem& p, const c10::BFl
 }
 #endif
 
-// An extend span's keys [begin, end): attend_tile where it applies (AVX-512 or AVX2, head_dim a multiple of the
-// vector width), else attend.
+// Whether extends take attend_tile_bf16 (which reads the queries itself, not load_queries' float32 copies).
+template <typename T>
+bool extends_in_bf16(const Problem& p) {
+#ifdef KILAT_BF16DP
+  return std::is_same_v<T, c10::BFloat16> && p.dim % 16 == 0 && p.storage == Storage::model && p.soft_cap <= 0.f;
+#else
+  return false;
+#endif
+}
+
+// An extend span's keys [begin, end): attend_tile_bf16 or attend_tile where they apply (AVX-512 or AVX2, head_dim a
+// multiple of the vector width), else attend.
 template <typename T>
 void attend_extend(const Problem& p, const T* query, const void* cache, const Span& sp, int64_t begin, int64_t end,
                    Scratch& sc, State st) {
 #ifdef KILAT_BF16DP
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    if (p.dim % 16 == 0 && p.storage == Storage::model && p.soft_cap <= 0.f)
-      return attend_tile_bf16(p, query, static_cast<const T*>(cache), sp, begin, end, sc, st);
+    if (extends_in_bf16<T>(p)) return attend_tile_bf16(p, query, static_cast<const T*>(cache), sp, begin, end, sc, st);
 #endif
 #if defined(KILAT_AVX512) || defined(KILAT_AVX2)
   if (p.dim % kW == 0) return attend_tile<T>(p, cache, sp, begin, end, sc, st);
@@ -855,7 +864,7 @@ void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T*
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(spans.size());) {
       const Span& sp = spans[i].second;
       const int64_t ctx = p.context_len(sp.r);
-      load_queries(p, query, sp, sc);
+      if (!extends_in_bf16<T>(p)) load_queries(p, query, sp, sc);
       attend_extend<T>(p, query, cache, sp, p.first_key(ctx + sp.t0), ctx + sp.t1, sc,
                        State(sc.state.data(), sp.rows(p)));
       finish(p, sc.state.data(), 1, sp, out, sc.row.data());
