@@ -487,8 +487,9 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, con
       vrow[j] = krow[j] + p.values;
     }
     for (int64_t j = t0 + kTile; j < std::min(end, t0 + 2 * kTile); ++j) {
-      const char* k = reinterpret_cast<const char*>(cache + p.key_row(sp.r, sp.h, j));
-      const char* v = reinterpret_cast<const char*>(cache + p.key_row(sp.r, sp.h, j) + p.values);
+      const T* row = cache + p.key_row(sp.r, sp.h, j);
+      const char* k = reinterpret_cast<const char*>(row);
+      const char* v = reinterpret_cast<const char*>(row + p.values);
       for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
         _mm_prefetch(k + b, _MM_HINT_T0);
         _mm_prefetch(v + b, _MM_HINT_T0);
