@@ -39,6 +39,18 @@ def test_metadata_build_slots_and_layout() -> None:
     assert plans.decodes is plans.decodes  # each plan made once per step
 
 
+def test_metadata_of_decodes_only() -> None:
+    """A batch of decodes (one new token each: the builder's shortcut) and its host copy."""
+    md = AttentionMetadata.build([1, 1, 1], [5, 1, 8], [[7, 2], [3], [4, 6]], 4, "cpu")
+    assert md.query_start_loc.tolist() == [0, 1, 2, 3] and md.seq_lens.tolist() == [5, 1, 8]
+    assert md.block_table.tolist() == [[7, 2], [3, 0], [4, 6]]
+    assert md.slot_mapping.tolist() == [8, 12, 27]  # positions 4, 0, 7
+    assert (md.max_query_len, md.max_seq_len, md.num_decode_tokens) == (1, 8, 3)
+    host = md.require_host()
+    assert host.block_table.dtype == torch.int64 and host.block_table.tolist() == md.block_table.tolist()
+    assert host.query_start_loc.dtype == torch.int64 and host.query_start_loc.tolist() == [0, 1, 2, 3]
+
+
 def test_metadata_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="query_len <= seq_len"):
         AttentionMetadata.build([4], [3], [[0]], 4, "cpu")

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from kilat.model_executor import native
 from kilat.model_executor.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq, silu_and_mul
 from kilat.model_executor.layers.cpu_kernels import cpu_layer_ops
+from kilat.model_executor.sampler import argmax_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOKENS = [1, 7, 300]
@@ -125,6 +126,29 @@ def test_silu_and_mul_matches_hf(ops, dtype: torch.dtype, tokens: int, intermedi
     gate, up = x.chunk(2, dim=-1)
     _assert_matches(silu_and_mul(x), F.silu(gate) * up)
     _assert_matches(silu_and_mul(x[None]), (F.silu(gate) * up)[None])
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 49152, 49157])  # below, at and past the vector widths
+def test_argmax_matches_torch(ops, vocab: int) -> None:
+    """The first maximum of each row, as torch.argmax picks it: random rows, rows of many ties, NaNs (the first NaN
+    wins), all -inf rows, and a strided view; the sampler's greedy pick goes through it."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 9
+    cases = [torch.randn(rows, vocab, generator=g), torch.randint(0, 3, (rows, vocab), generator=g).float(),
+             torch.full((rows, vocab), float("-inf")), torch.randn(rows, 2 * vocab, generator=g)[:, ::2]]
+    nan = torch.randn(rows, vocab, generator=g)
+    for r in range(rows):  # a NaN in the vector part, in the tail, at the row's ends, or none
+        if r < 8:
+            nan[r, (r * 37) % vocab] = float("nan")
+    nan[1, vocab - 1] = float("nan")
+    cases.append(nan)
+    for x in cases:
+        want = x.argmax(dim=-1)
+        assert torch.equal(ops.argmax(x), want)
+        assert torch.equal(argmax_rows(x), want)
+    assert torch.equal(argmax_rows(cases[0].double()), cases[0].argmax(dim=-1))  # other dtypes: torch's argmax
+    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
+        ops.argmax(torch.randn(2, 3, 4))
 
 
 def test_ops_reject_bad_shapes(ops) -> None:

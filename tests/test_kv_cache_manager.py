@@ -59,6 +59,27 @@ def test_allocate_and_free_counts_blocks():
     assert kv.num_free_blocks == 10
 
 
+def test_decode_steps_cache_the_blocks_they_fill():
+    """Decode steps whose slots the table already holds (the allocator's shortcut) still register each block the
+    step fills in the prefix cache, and a step past the last slot takes one new block."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
+    req = make_request("a", list(range(6)))
+    assert kv.allocate_slots(req, 6)
+    req.num_computed_tokens = 6
+    tokens = list(range(6))
+    for token in (50, 51):  # the step computing position 7 fills block 1 with known tokens 4..7
+        req.append_output_token(token)
+        tokens.append(token)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+    assert len(kv.get_block_ids(req)) == 2 and kv.num_free_blocks == 6
+    req.append_output_token(52)
+    tokens.append(52)
+    assert kv.allocate_slots(req, 1) and len(kv.get_block_ids(req)) == 3 and kv.num_free_blocks == 5
+    blocks, hit = kv.get_computed_blocks(make_request("b", tokens[:8] + [9]))
+    assert hit == 8 and [b.block_id for b in blocks[0]] == kv.get_block_ids(req)[:2]
+
+
 def test_allocation_fails_without_side_effects():
     kv = KVCacheManager(num_blocks=2, block_size=4, enable_caching=False)
     req = make_request("a", list(range(12)))

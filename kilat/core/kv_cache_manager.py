@@ -59,6 +59,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_windows = tuple(sliding_windows)
         self.num_groups = len(self.sliding_windows)
+        self._no_windows = all(w is None for w in self.sliding_windows)
         self.pool = BlockPool(num_blocks, enable_caching,
                               null_block=any(w is not None for w in self.sliding_windows))
         self.req_blocks: dict[str, list[list[KVBlock]]] = {}  # request id -> its block table of each group
@@ -160,9 +161,16 @@ class KVCacheManager:
         few blocks are free for all the groups together, leaving ``num_reserved_blocks`` free (the scheduler's
         admission headroom).
         """
-        computed = computed_blocks or [[] for _ in range(self.num_groups)]
         rid = request.request_id
         tables = self.req_blocks.get(rid)
+        if tables is not None and not computed_blocks and not num_reserved_blocks and self._no_windows:
+            # the common decode step: every table already holds the new slots
+            num_required = -(-(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size)
+            if all(len(table) >= num_required for table in tables):
+                if self.enable_caching and cache:
+                    self.cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+                return True
+        computed = computed_blocks or [[] for _ in range(self.num_groups)]
         if tables is not None:
             for group, window in enumerate(self.sliding_windows):
                 if window is not None:

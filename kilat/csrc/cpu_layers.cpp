@@ -19,6 +19,9 @@
 //   silu_and_mul(x [..., 2I]) -> [..., I]: out = r(r(silu(g)) * u), g = x[..., :I], u = x[..., I:], silu(g) =
 //     g / (1 + exp(-g)) in float32 (HF's act_fn(gate) * up; exp to about 1 ulp, so float32 may differ from torch's
 //     in the last bit).
+//   argmax(x [B, V] float32) -> int64 [B]: per row, the index of the first maximum, or of the first NaN when the
+//     row has one (torch.argmax's rule); the greedy sampler's pick, at the memory's speed (torch's CPU argmax reads
+//     a batch's logits at about a third of it).
 //
 // AVX-512 (F, BW, VL) code paths, AVX2 (with FMA and F16C) ones for rows whose length is a multiple of 8 (their
 // RMSNorm sum in the AVX-512 path's 16 lanes and tree order), portable loops otherwise (same arithmetic, the RMSNorm
@@ -451,6 +454,99 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// Index of the first maximum of x[0, n), or of the first NaN. Each lane keeps the first index of its largest value
+// (a later value must be strictly greater to replace it); two sets of lanes take alternate chunks, and the lanes
+// holding the overall maximum give it their smallest index.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  int64_t at = 0;
+  bool nan = false;
+#if defined(KILAT_AVX512)
+  if (n >= 32) {
+    __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;
+    __m512i i0 = _mm512_setzero_si512(), i1 = i0;
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+      const __mmask16 g0 = _mm512_cmp_ps_mask(v0, b0, _CMP_GT_OQ);
+      const __m512i idx1 = _mm512_add_epi32(idx, step);
+      const __mmask16 g1 = _mm512_cmp_ps_mask(v1, b1, _CMP_GT_OQ);
+      unordered |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q);
+      b0 = _mm512_mask_mov_ps(b0, g0, v0);
+      i0 = _mm512_mask_mov_epi32(i0, g0, idx);
+      b1 = _mm512_mask_mov_ps(b1, g1, v1);
+      i1 = _mm512_mask_mov_epi32(i1, g1, idx1);
+      idx = _mm512_add_epi32(idx1, step);
+    }
+    if (unordered) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+    alignas(64) float bv[32];
+    alignas(64) int32_t bi[32];
+    _mm512_store_ps(bv, b0);
+    _mm512_store_ps(bv + 16, b1);
+    _mm512_store_si512(bi, i0);
+    _mm512_store_si512(bi + 16, i1);
+    best = bv[0];
+    at = bi[0];
+    for (int l = 1; l < 32; ++l)
+      if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
+  }
+#elif defined(KILAT_AVX2)
+  if (n >= 16) {
+    __m256 b0 = _mm256_set1_ps(-INFINITY), b1 = b0;
+    __m256i i0 = _mm256_setzero_si256(), i1 = i0;
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+      const __m256 g0 = _mm256_cmp_ps(v0, b0, _CMP_GT_OQ), g1 = _mm256_cmp_ps(v1, b1, _CMP_GT_OQ);
+      const __m256i idx1 = _mm256_add_epi32(idx, step);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+      b0 = _mm256_blendv_ps(b0, v0, g0);
+      i0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i0), _mm256_castsi256_ps(idx), g0));
+      b1 = _mm256_blendv_ps(b1, v1, g1);
+      i1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i1), _mm256_castsi256_ps(idx1), g1));
+      idx = _mm256_add_epi32(idx1, step);
+    }
+    if (_mm256_movemask_ps(unordered)) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+    alignas(32) float bv[16];
+    alignas(32) int32_t bi[16];
+    _mm256_store_ps(bv, b0);
+    _mm256_store_ps(bv + 8, b1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), i0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi + 8), i1);
+    best = bv[0];
+    at = bi[0];
+    for (int l = 1; l < 16; ++l)
+      if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
+  }
+#endif
+  if (i == 0) best = x[0], nan = std::isnan(best);  // no vector pass: the first element leads
+  for (int64_t j = i == 0 ? 1 : i; j < n && !nan; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > best) best = x[j], at = j;
+  }
+  return nan ? 0 : at;
+}
+
+at::Tensor argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0 &&
+                  x_in.size(1) < (int64_t{1} << 31),
+              "x must be a float32 CPU tensor [B, V] with 0 < V < 2^31");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* src = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(src + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 KILAT_LIBRARY(kilat_cpu, m) {
@@ -458,4 +554,5 @@ KILAT_LIBRARY(kilat_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)", add_rms_norm);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor", rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", silu_and_mul);
+  m.def("argmax(Tensor x) -> Tensor", argmax);
 }

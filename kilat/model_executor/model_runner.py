@@ -14,6 +14,7 @@ others learn the sampled tokens from the scheduler (``CachedRequestData.new_toke
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +47,32 @@ from kilat.spec_decode.rejection import verify
 logger = logging.getLogger("kilat")
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass
+class _StepInputs:
+    """One step's batch on the host, flattened in scheduling order (:meth:`ModelRunner._prepare_inputs`).
+
+    Attributes:
+        scheduled: (request state, tokens scheduled) per request.
+        input_ids, positions: per new token (int lists of the step's ``num_scheduled_tokens`` entries).
+        query_lens, seq_lens, block_tables: per request, what :meth:`AttentionMetadata.build` takes (every
+            KV-cache group's table).
+        sample_rows: the rows whose hidden states sample (``1 +`` drafts per sampling request).
+        sample_reqs: the requests whose chunk reaches their last known token.
+        prompt_logprobs: (request, first row, first position, count) of the prompt positions whose logprobs
+            this step computes.
+    """
+
+    scheduled: list[tuple[CachedRequestState, int]] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_reqs: list[CachedRequestState] = field(default_factory=list)
+    prompt_logprobs: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -312,61 +339,75 @@ class ModelRunner:
             return result
         if self.threads is not None:
             self.threads.maybe_adjust()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
-        sample_rows: list[int] = []
-        sample_reqs: list[CachedRequestState] = []
-        prompt_lp: list[tuple[CachedRequestState, int, int, int]] = []  # (request, first row, first position, count)
-        scheduled = [(self.requests[rid], num_new) for rid, num_new in sched.num_scheduled_tokens.items()]
-        for request, num_new in scheduled:
+        step = self._prepare_inputs(sched)
+        hidden = self._forward(step)
+        if not self.pp.is_last:
+            send_to_next_stage(hidden)
+            return result
+        for request, row0, pos_from, count in step.prompt_logprobs:
+            result.prompt_logprobs[request.request_id] = self._prompt_logprobs(
+                request, hidden[row0:row0 + count], pos_from)
+        for request, num_new in step.scheduled:
+            request.num_computed_tokens += num_new
+        if step.sample_reqs:
+            self._sample(hidden, step.sample_rows, step.sample_reqs, sched, result)
+        if self.proposer is not None:
+            self.proposer.propose([request for request, _ in step.scheduled], set(result.sampled_token_ids))
+            result.spec_token_ids = {r.request_id: r.spec_token_ids for r, _ in step.scheduled if r.spec_token_ids}
+        return result
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        """The step's flattened batch, from the request states (after :meth:`_update_states`): each scheduled
+        request's new tokens (its known ones, then its drafts) and positions, which rows sample, and which prompt
+        positions want logprobs."""
+        step = _StepInputs()
+        input_ids, positions = step.input_ids, step.positions
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            step.scheduled.append((request, num_new))
             start = request.num_computed_tokens
             end = start + num_new
             row0 = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
-            input_ids.extend(request.spec_token_ids[:max(0, end - request.num_tokens)])
-            positions.extend(range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            block_tables.append(request.block_ids)
+            num_tokens = request.num_tokens
+            if num_new == 1 and end <= num_tokens:  # a decode: its last token
+                input_ids.append(request.all_token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(request.all_token_ids[start:end])
+                input_ids.extend(request.spec_token_ids[:max(0, end - num_tokens)])
+                positions.extend(range(start, end))
+            step.query_lens.append(num_new)
+            step.seq_lens.append(end)
+            step.block_tables.append(request.block_ids)
             if request.sampling_params.prompt_logprobs is not None:
                 lp_from = max(start, request.num_prompt_logprobs - 1)
                 lp_to = min(end, request.num_prompt_tokens - 1)
                 if lp_from < lp_to:
-                    prompt_lp.append((request, row0 + lp_from - start, lp_from, lp_to - lp_from))
-            if end >= request.num_tokens:
-                sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
-                sample_reqs.append(request)
+                    step.prompt_logprobs.append((request, row0 + lp_from - start, lp_from, lp_to - lp_from))
+            if end >= num_tokens:
+                step.sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
+                step.sample_reqs.append(request)
+        return step
 
+    def _forward(self, step: _StepInputs) -> torch.Tensor:
+        """The model's forward over the step's batch: a captured CUDA graph for a batch of decodes that fits one,
+        else eagerly over every KV-cache group's attention metadata (after the first pipeline stage, on the hidden
+        states the previous stage sends). Returns the hidden states (before the last stage, what it sends on)."""
         graphs = self.cuda_graphs
-        if graphs is not None and len(input_ids) == len(query_lens) <= graphs.max_batch_size:
-            hidden = graphs.run(input_ids, positions, seq_lens, [tables[0] for tables in block_tables])
-        else:
-            metas = [AttentionMetadata.build(query_lens, seq_lens, [tables[g] for tables in block_tables],
-                                             self.block_size, self.device) for g in range(len(self.kv_cache_groups))]
-            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            intermediate = None if self.pp.is_first else recv_from_prev_stage(
-                (2, len(input_ids), self.hf_config.hidden_size), self.dtype, self.device)
-            context = self.context(metas[0], self.kv_caches, self.kv_scales)
-            if len(metas) > 1:
-                context.group_metadata, context.layer_groups = metas, self.layer_groups
-            with set_forward_context(context):
-                hidden = self.model(ids_t, pos_t, intermediate)
-        if not self.pp.is_last:
-            send_to_next_stage(hidden)
-            return result
-        for request, row0, pos_from, count in prompt_lp:
-            result.prompt_logprobs[request.request_id] = self._prompt_logprobs(
-                request, hidden[row0:row0 + count], pos_from)
-        for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
-        if sample_reqs:
-            self._sample(hidden, sample_rows, sample_reqs, sched, result)
-        if self.proposer is not None:
-            self.proposer.propose([request for request, _ in scheduled], set(result.sampled_token_ids))
-            result.spec_token_ids = {r.request_id: r.spec_token_ids for r, _ in scheduled if r.spec_token_ids}
-        return result
+        if graphs is not None and len(step.input_ids) == len(step.query_lens) <= graphs.max_batch_size:
+            return graphs.run(step.input_ids, step.positions, step.seq_lens,
+                              [tables[0] for tables in step.block_tables])
+        metas = [AttentionMetadata.build(step.query_lens, step.seq_lens, [tables[g] for tables in step.block_tables],
+                                         self.block_size, self.device) for g in range(len(self.kv_cache_groups))]
+        ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        intermediate = None if self.pp.is_first else recv_from_prev_stage(
+            (2, len(step.input_ids), self.hf_config.hidden_size), self.dtype, self.device)
+        context = self.context(metas[0], self.kv_caches, self.kv_scales)
+        if len(metas) > 1:
+            context.group_metadata, context.layer_groups = metas, self.layer_groups
+        with set_forward_context(context):
+            return self.model(ids_t, pos_t, intermediate)
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_reqs: list[CachedRequestState],
                 sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -375,8 +416,9 @@ class ModelRunner:
         if sched.grammar_bitmask is not None and \
                 sched.structured_output_request_ids != [r.request_id for r in sample_reqs]:
             raise RuntimeError("the grammar bitmask's requests are not the requests that sample this step")
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(sample_rows) < hidden.shape[0]:  # else every row samples (the rows are distinct, in order)
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+        logits = self.model.compute_logits(hidden)
         if any(r.spec_token_ids for r in sample_reqs):
             outcomes = verify(logits, sample_reqs, sched.grammar_bitmask)
         else:

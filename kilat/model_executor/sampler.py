@@ -29,11 +29,21 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kilat.model_executor.layers.cpu_kernels import cpu_layer_ops
 from kilat.outputs import Logprob, PositionLogprobs
 from kilat.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kilat.structured_outputs.manager import TokenBitmask
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of ``x`` ``[B, V]``: int64 ``[B]``, the first maximum (the first NaN in a row that has
+    one), ``torch.argmax``'s rule. Float32 CPU rows go through kilat's vectorized kernel
+    (``kilat_cpu_<isa>::argmax``, :mod:`kilat.model_executor.layers.cpu_kernels`; torch's CPU argmax reads a batch's
+    logits at about a third of the memory's speed), anything else through ``torch.argmax``."""
+    ops = cpu_layer_ops(x) if x.dtype == torch.float32 and x.dim() == 2 else None
+    return ops.argmax(x) if ops is not None else x.argmax(dim=-1)
 
 
 class SamplingRow(Protocol):
@@ -84,7 +94,7 @@ class Sampler:
             A :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
         """
         if bitmask is None and all(_is_plain_greedy(r) for r in requests):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(requests))
         processed, picked = process_logits(logits, requests, bitmask)
         if len(picked) == len(requests):
             tokens = torch.tensor([picked[i] for i in range(len(requests))], device=logits.device)
@@ -254,10 +264,10 @@ def _sample(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tens
     """int64 ``[B]``: argmax for greedy rows, a random sample for the others."""
     random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
     if not random_rows:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     if len(random_rows) == len(requests):
         return _sample_random(logits, requests)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     index = torch.tensor(random_rows, device=logits.device)
     tokens[index] = _sample_random(logits[index], [requests[i] for i in random_rows])
     return tokens
@@ -266,7 +276,7 @@ def _sample(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tens
 def _sample_random(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature → top-k → top-p → min-p → exponential-race sample; int64 ``[R]``."""
     probs = sampling_probs(logits, requests)
-    return probs.div_(exponential_noise(probs.shape, requests, logits.device)).argmax(dim=-1)
+    return argmax_rows(probs.div_(exponential_noise(probs.shape, requests, logits.device)))
 
 
 def sampling_probs(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from kilat.config import ModelConfig, SpeculativeConfig, dtype_name
 from kilat.model_executor.attention import AttentionMetadata
 from kilat.model_executor.forward_context import set_forward_context
-from kilat.model_executor.sampler import exponential_noise, sampling_probs
+from kilat.model_executor.sampler import argmax_rows, exponential_noise, sampling_probs
 from kilat.spec_decode.proposer import num_draft_slots
 
 if TYPE_CHECKING:
@@ -115,14 +115,14 @@ class DraftModelProposer:
                 q_rows: dict[str, list[torch.Tensor]]) -> None:
         """Append one draft to each request: the argmax for greedy ones, else a sample from ``q`` (kept)."""
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
             rows = [requests[i] for i in random_rows]
             q = sampling_probs(logits[index], rows)
             q = q / q.sum(dim=-1, keepdim=True)
-            tokens[index] = (q / exponential_noise(q.shape, rows, logits.device)).argmax(dim=-1)
+            tokens[index] = argmax_rows(q / exponential_noise(q.shape, rows, logits.device))
             for i, row in zip(random_rows, q, strict=True):
                 q_rows[requests[i].request_id].append(row)
         for request, token in zip(requests, tokens.tolist(), strict=True):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kilat.model_executor.sampler import (
+    argmax_rows,
     exponential_noise,
     process_logits,
     sample_logprobs,
@@ -76,7 +77,7 @@ def verify(logits: torch.Tensor, requests: list[CachedRequestState], bitmask: To
     greedy = [i for i, row in enumerate(rows) if row.sampling_params.greedy]
     argmax: list[int] = []
     if greedy:
-        argmax = processed.argmax(dim=-1).tolist()
+        argmax = argmax_rows(processed).tolist()
         for i, token in picked.items():
             argmax[i] = token
     random_rows = [i for i, row in enumerate(rows) if not row.sampling_params.greedy]

@@ -6,8 +6,10 @@ build_metadata`): the plans of the torch and CPU backends (:mod:`.plans`), the T
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -86,34 +88,42 @@ class AttentionMetadata:
         if num_reqs == 0 or len(seq_lens) != num_reqs or len(block_tables) != num_reqs:
             raise ValueError(f"need one query_len, seq_len and block table per request, got {len(query_lens)}, "
                              f"{len(seq_lens)}, {len(block_tables)}")
-        for r, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
-            if not 1 <= q <= s:
-                raise ValueError(f"request {r}: need 1 <= query_len <= seq_len, got {q} and {s}")
-            if len(bt) * block_size < s:
-                raise ValueError(f"request {r}: {len(bt)} blocks of {block_size} cannot hold {s} tokens")
+        q = np.array(query_lens, dtype=np.int64)
+        s = np.array(seq_lens, dtype=np.int64)
+        num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
+        bad = (q < 1) | (q > s) | (num_blocks * block_size < s)
+        if bad.any():
+            r = int(bad.argmax())
+            if not 1 <= query_lens[r] <= seq_lens[r]:
+                raise ValueError(f"request {r}: need 1 <= query_len <= seq_len, got {query_lens[r]} and {seq_lens[r]}")
+            raise ValueError(f"request {r}: {num_blocks[r]} blocks of {block_size} cannot hold {seq_lens[r]} tokens")
 
-        max_blocks = max(len(bt) for bt in block_tables)
-        table = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.int64)
-        q_t = torch.tensor(query_lens, dtype=torch.int64)
-        s_t = torch.tensor(seq_lens, dtype=torch.int64)
-        start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
-        torch.cumsum(q_t, 0, out=start_loc[1:])
-
+        # the tables padded with block 0, filled row by row through one mask
+        table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int64)
+        table[np.arange(table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(num_blocks.sum()))
+        start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q, out=start_loc[1:])
+        max_query_len = int(q.max())
         # Request r's new tokens are its positions seq_len - query_len ... seq_len - 1.
-        req = torch.repeat_interleave(torch.arange(num_reqs), q_t)
-        pos = torch.arange(req.shape[0]) - start_loc[req] + (s_t - q_t)[req]
-        slot_mapping = cache_slots(table[req, pos // block_size], pos, block_size)
-
+        if max_query_len == 1:
+            req, pos = np.arange(num_reqs), s - 1
+        else:
+            req = np.repeat(np.arange(num_reqs), q)
+            pos = np.arange(req.shape[0]) - start_loc[req] + (s - q)[req]
+        slot_mapping = table[req, pos // block_size] * block_size + pos % block_size
+        host_table, host_start = torch.from_numpy(table), torch.from_numpy(start_loc)
+        device = torch.device(device)
         return cls(
-            query_start_loc=start_loc.to(device=device, dtype=torch.int32),
-            seq_lens=s_t.to(device=device, dtype=torch.int32),
-            block_table=table.to(device=device, dtype=torch.int32),
-            slot_mapping=slot_mapping.to(device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            query_start_loc=_on_device(start_loc.astype(np.int32), device),
+            seq_lens=_on_device(s.astype(np.int32), device),
+            block_table=_on_device(table.astype(np.int32), device),
+            slot_mapping=_on_device(slot_mapping, device),
+            max_query_len=max_query_len,
+            max_seq_len=int(s.max()),
             block_size=block_size,
-            num_decode_tokens=sum(q == 1 for q in query_lens),
-            host=HostBatch(list(query_lens), list(seq_lens), table, start_loc),
+            num_decode_tokens=int((q == 1).sum()),
+            host=HostBatch(list(query_lens), list(seq_lens), host_table, host_start),
         )
 
     def require_host(self) -> HostBatch:
@@ -125,6 +135,12 @@ class AttentionMetadata:
         if self.host is None:
             raise RuntimeError("this metadata has no host batch (CUDA-graph buffers); plans need one")
         return self.host
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor on ``device`` (sharing its memory on the CPU)."""
+    t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device)
 
 
 def cache_slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

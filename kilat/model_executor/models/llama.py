@@ -209,6 +209,7 @@ class LlamaModel(nn.Module):
     Attributes:
         start_layer, end_layer: the decoder layers ``[start, end)`` this stage holds (all without a pipeline);
             ``layers[i]`` outside them is an empty ``nn.Module``.
+        stage_layers: ``layers[start_layer:end_layer]`` as a tuple (what ``forward`` runs).
         embed_tokens: the embedding table, or ``None`` on a stage that neither embeds nor ties ``lm_head`` to it.
         norm: the final norm, or ``None`` before the last stage.
         local_rotary_emb: the RoPE table of sliding-window layers when the config gives them their own (Gemma 3's
@@ -227,6 +228,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             family.decoder_layer_class(config, i, i - self.start_layer, family, dtype, quant_config)
             if self.start_layer <= i < self.end_layer else nn.Module() for i in range(config.num_hidden_layers))
+        # this stage's layers as a plain tuple: slicing the ModuleList makes a new one (a module per layer) per step
+        self.stage_layers = tuple(self.layers[self.start_layer:self.end_layer])
         self.norm = family.norm_class(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
         self.embedding_multiplier = family.embedding_scale(config, dtype)
         inv_freq, attention_scaling = rope_inv_freq(config, _head_dim(config))
@@ -263,7 +266,7 @@ class LlamaModel(nn.Module):
             x, residual = intermediate[0], intermediate[1]
         rope = self.rotary_emb(positions)
         local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions)
-        layers = self.layers[self.start_layer:self.end_layer]
+        layers = self.stage_layers
         batch: DecodeBatch | None = None
         if any(layer.fused is not None for layer in layers):
             batch = decode_batch(x)
