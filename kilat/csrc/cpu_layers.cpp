@@ -461,7 +461,6 @@ int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0;
   float best = -INFINITY;
   int64_t at = 0;
-  bool nan = false;
 #if defined(KILAT_AVX512)
   if (n >= 32) {
     __m512 b0 = _mm512_set1_ps(-INFINITY), b1 = b0;
@@ -524,12 +523,16 @@ int64_t argmax_row(const float* x, int64_t n) {
       if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
   }
 #endif
-  if (i == 0) best = x[0], nan = std::isnan(best);  // no vector pass: the first element leads
-  for (int64_t j = i == 0 ? 1 : i; j < n && !nan; ++j) {
-    if (std::isnan(x[j])) return j;
-    if (x[j] > best) best = x[j], at = j;
+  if (i == 0) {  // no vector pass: the first element leads
+    if (std::isnan(x[0])) return 0;
+    best = x[0];
+    i = 1;
   }
-  return nan ? 0 : at;
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best) best = x[i], at = i;
+  }
+  return at;
 }
 
 at::Tensor argmax(const at::Tensor& x_in) {
