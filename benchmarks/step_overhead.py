@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import platform
 import random
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from kilat import LLM, SamplingParams
+from kilat.bench.quality import machine_info
 from kilat.core.core_process import EngineCoreOutputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,9 +151,8 @@ def main() -> None:
     fakes = {"model": [False], "stand-in": [True], "both": [False, True]}[args.forward]
     rows = [measure(args, n, fake) for fake in fakes for n in args.running]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    result = {"benchmark": "step_overhead", "commit": commit, "cpu": cpu, "threads": torch.get_num_threads(),
+    result = {"benchmark": "step_overhead", "commit": commit, "machine": machine_info(),
+              "threads": torch.get_num_threads(),
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1 GGUF", "dtype": args.dtype,
               "prompt_tokens": args.prompt_tokens, "steps": args.steps, "rows": rows}
     print(f"{'forward':9s} {'running':>7s} {'step':>8s} {'host':>8s} " + " ".join(f"{p:>9s}" for p in PARTS))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kilat import LLM, SamplingParams
+from kilat.bench.quality import machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,9 +100,8 @@ def main() -> None:
     llm.shutdown()
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    result = {"benchmark": "step_profile", "commit": commit, "cpu": cpu, "threads": torch.get_num_threads(),
+    result = {"benchmark": "step_profile", "commit": commit, "machine": machine_info(),
+              "threads": torch.get_num_threads(),
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1 GGUF", "dtype": args.dtype,
               "prefill": prefill, "decode": decode}
     for name in ("prefill", "decode"):

@@ -454,6 +454,23 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
+// Index of the first NaN of x[0, n) (the vector passes found one).
+int64_t first_nan(const float* x, int64_t n) {
+  return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+}
+
+// Of the lanes' best values and their first indices, the smallest index among the lanes holding the largest value
+// (stored in `best`).
+int64_t lanes_first_max(const float* bv, const int32_t* bi, int lanes, float& best) {
+  best = bv[0];
+  int64_t at = bi[0];
+  for (int l = 1; l < lanes; ++l)
+    if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
+  return at;
+}
+#endif
+
 // Index of the first maximum of x[0, n), or of the first NaN. Each lane keeps the first index of its largest value
 // (a later value must be strictly greater to replace it); two sets of lanes take alternate chunks, and the lanes
 // holding the overall maximum give it their smallest index.
@@ -480,17 +497,14 @@ int64_t argmax_row(const float* x, int64_t n) {
       i1 = _mm512_mask_mov_epi32(i1, g1, idx1);
       idx = _mm512_add_epi32(idx1, step);
     }
-    if (unordered) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+    if (unordered) return first_nan(x, n);
     alignas(64) float bv[32];
     alignas(64) int32_t bi[32];
     _mm512_store_ps(bv, b0);
     _mm512_store_ps(bv + 16, b1);
     _mm512_store_si512(bi, i0);
     _mm512_store_si512(bi + 16, i1);
-    best = bv[0];
-    at = bi[0];
-    for (int l = 1; l < 32; ++l)
-      if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
+    at = lanes_first_max(bv, bi, 32, best);
   }
 #elif defined(KILAT_AVX2)
   if (n >= 16) {
@@ -510,17 +524,14 @@ int64_t argmax_row(const float* x, int64_t n) {
       i1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i1), _mm256_castsi256_ps(idx1), g1));
       idx = _mm256_add_epi32(idx1, step);
     }
-    if (_mm256_movemask_ps(unordered)) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+    if (_mm256_movemask_ps(unordered)) return first_nan(x, n);
     alignas(32) float bv[16];
     alignas(32) int32_t bi[16];
     _mm256_store_ps(bv, b0);
     _mm256_store_ps(bv + 8, b1);
     _mm256_store_si256(reinterpret_cast<__m256i*>(bi), i0);
     _mm256_store_si256(reinterpret_cast<__m256i*>(bi + 8), i1);
-    best = bv[0];
-    at = bi[0];
-    for (int l = 1; l < 16; ++l)
-      if (bv[l] > best || (bv[l] == best && bi[l] < at)) best = bv[l], at = bi[l];
+    at = lanes_first_max(bv, bi, 16, best);
   }
 #endif
   if (i == 0) {  // no vector pass: the first element leads

@@ -111,7 +111,7 @@ class AttentionMetadata:
         else:
             req = np.repeat(np.arange(num_reqs), q)
             pos = np.arange(req.shape[0]) - start_loc[req] + (s - q)[req]
-        slot_mapping = table[req, pos // block_size] * block_size + pos % block_size
+        slot_mapping = cache_slots(table[req, pos // block_size], pos, block_size)
         host_table, host_start = torch.from_numpy(table), torch.from_numpy(start_loc)
         device = torch.device(device)
         return cls(
@@ -143,6 +143,8 @@ def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
-def cache_slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots ``block_id * block_size + position % block_size`` (int64, shape of ``positions``)."""
+def cache_slots(block_ids: torch.Tensor | np.ndarray, positions: torch.Tensor | np.ndarray,
+                block_size: int) -> torch.Tensor | np.ndarray:
+    """Cache slots ``block_id * block_size + position % block_size`` (int64, shape of ``positions``; tensors or
+    numpy arrays, returned as the inputs are)."""
     return block_ids * block_size + positions % block_size
