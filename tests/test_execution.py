@@ -104,7 +104,8 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert set(sections) == {"kernels", "moe", "graphs", "kilat-llama-3-8b", "hf-llama-3-8b", "kilat-smollm2-135m",
-                             "hf-smollm2-135m", "quantization", "spec_decode", "parallel", "families"}
+                             "hf-smollm2-135m", "async", "step_overhead", "quantization", "spec_decode", "parallel",
+                             "families"}
     assert not [name for name, s in sections.items() if "error" in s], sections
     # HF generate_batch sized its paged cache from free host memory (12.5 GB peak on a 24 GiB machine)
     assert 100 < report["peak_rss_mib"] < 2048, {name: s["peak_rss_mib"] for name, s in sections.items()}
@@ -123,6 +124,15 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert sections["moe"]["quantized_all_pass"] is True and [(q["fmt"], q["tokens"]) for q in quantized] == [
         (fmt, tokens) for fmt in ("int8", "int4", "fp8") for tokens in (1, 16)]
     assert [t["tokens"] for t in sections["moe"]["timings"] if "triton_ms" in t and "looped_ms" in t] == [1, 16]
+    assert sections["async"]["float32_greedy_equal"] is True
+    assert report["summary"]["greedy float32 equal with async scheduling on and off"]["met"] is True
+    for model in ("llama-3-8b", "smollm2-135m"):
+        assert sections["async"][model]["w2_on_vs_off"] > 0
+    assert sections["async"]["smollm2-135m"]["on"]["w1"]["output_tokens"] == 8 * 8
+    rows = sections["step_overhead"]["rows"]  # (running, forward) 1, 4 with the model and 4 with the stand-in
+    assert [(r["running"], r["forward"], r["async_scheduling"]) for r in rows] == [
+        (n, forward, mode) for n, forward in ((1, "model"), (4, "model"), (4, "stand-in")) for mode in (False, True)]
+    assert all(r["step_ms"] > 0 and r["parts_ms"]["schedule"] > 0 for r in rows)
     variants = sections["quantization"]["variants"]
     assert [name for name, v in variants.items() if "decode_tokens_per_s" not in v] == [], variants
     assert variants["fp8-w8a8"]["linear_methods"] == {"fp8 per-channel dynamic (upcast)": 9}  # _scaled_mm on GPU

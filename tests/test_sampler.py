@@ -291,3 +291,28 @@ def test_prompt_logprobs() -> None:
     only_targets = compute_prompt_logprobs(logits, targets, 0)
     assert [list(e) for e in only_targets] == [[t] for t in targets]
     assert compute_prompt_logprobs(logits[:0], [], 2) == []
+
+
+def test_greedy_picks_from_the_heads_own_dtype(tiny_llama_dir):
+    """A batch of bare argmax rows samples from bfloat16 logits (no float32 copy), picking what the float32 copy's
+    argmax picks; any other row, or a scaled head, gets float32 logits."""
+    from kilat import LLM
+    from kilat.model_executor.sampler import argmax_rows, plain_greedy
+
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_model_len=128, kv_cache_memory=16 << 20)
+    model = llm.engine.core.runner.model
+    hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    raw = model.compute_logits(hidden, keep_dtype=True)
+    full = model.compute_logits(hidden)
+    assert (raw.dtype, full.dtype) == (torch.bfloat16, torch.float32) and torch.equal(raw.float(), full)
+    assert torch.equal(argmax_rows(raw), full.argmax(dim=-1))
+    rows = [make_request(temperature=0.0), make_request(temperature=0.0, logprobs=1)]
+    assert plain_greedy(rows[:1]) and not plain_greedy(rows)
+    model.logits_scaling = 2.0
+    assert model.compute_logits(hidden, keep_dtype=True).dtype == torch.float32
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    model.logits_scaling = 1.0
+    fast = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], greedy, use_tqdm=False)]
+    real = model.compute_logits
+    model.compute_logits = lambda h, keep_dtype=False: real(h)  # every pick from the float32 copy
+    assert [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], greedy, use_tqdm=False)] == fast

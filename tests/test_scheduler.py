@@ -136,13 +136,13 @@ def test_pipelined_steps_take_turns_and_never_touch_in_flight_requests():
     batch = s.schedule()
     assert batch.num_scheduled_tokens == {"a": 1, "b": 1}  # ceil(3 / 2) running requests
     assert batch.scheduled_cached_reqs.new_token_ids == [[7], [7]]
-    s.in_flight.update(batch.num_scheduled_tokens)
+    s.submitted(batch)
     other = s.schedule()
     assert other.num_scheduled_tokens == {"c": 1}
-    s.in_flight.update(other.num_scheduled_tokens)
+    s.submitted(other)
     assert s.schedule().num_scheduled_tokens == {}  # everything is in flight
     s.update_from_output(batch, ModelRunnerOutput(sampled_token_ids={"a": [8], "b": [8]}))
-    s.in_flight.difference_update(batch.num_scheduled_tokens)
+    s.collected(batch)
     for _ in range(3):  # a and b fill their second block; c (in flight) keeps its blocks
         out = s.schedule()
         assert set(out.num_scheduled_tokens) == {"a", "b"} and not out.preempted_req_ids

@@ -161,11 +161,13 @@ def test_dead_engine_core_is_restarted_until_it_fails_to_load(tmp_path: Path) ->
     assert not server.children()
 
 
-def test_dead_worker_restarts_the_engine_core() -> None:
+@pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async-scheduling"])
+def test_dead_worker_restarts_the_engine_core(extra: tuple[str, ...]) -> None:
     """--distributed-executor-backend mp, kill -9 of the worker: the core notices within its poll, the stream
     in flight ends with an error event, the core exits and is restarted with a new worker, which serves the
-    same greedy tokens; no process is left behind."""
-    server = Server(*SMALL_KV, "--distributed-executor-backend", "mp")
+    same greedy tokens; no process is left behind. With async scheduling too (two steps in flight when the
+    worker dies)."""
+    server = Server(*SMALL_KV, "--distributed-executor-backend", "mp", *extra)
     body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
     workers: list[int] = []
     try:

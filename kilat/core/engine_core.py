@@ -1,5 +1,6 @@
 """The engine core: one step is schedule → execute → update (the loop of vLLM's V1 EngineCore); with pipeline
-parallelism, schedule → submit while there is room, and collect → update the oldest step in flight."""
+parallelism or async scheduling, schedule → submit while there is room, and collect → update the oldest step in
+flight."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ class EngineCore:
         executor: runs the model's workers (``ParallelConfig.distributed_executor_backend``).
         info: what the workers reported once the model was loaded (limits, KV blocks, the HF config).
         max_model_len: longest context in tokens.
+        max_in_flight: steps submitted before the oldest is collected: ``pipeline_parallel_size`` (the executor's
+            ``max_concurrent_batches``), or 2 under async scheduling.
 
     Raises:
         ValueError: an invalid model or configuration found while loading.
@@ -113,6 +116,8 @@ class EngineCore:
                                    self.executor.max_concurrent_batches, self.connector)
         self.stats = EngineStats()
         self.batch_queue: deque[_Batch] = deque()  # submitted steps not yet collected, oldest first
+        # steps in flight at once: one per pipeline stage, or under async scheduling the one running and the next
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else self.executor.max_concurrent_batches
         self._num_scheduled_tokens = self._num_preempted = 0  # of the last schedule, for the step's stats
         self._idle = False  # the last step changed nothing (waits_only_for_transfers)
         self.structured_outputs: StructuredOutputManager | None = None
@@ -283,8 +288,8 @@ class EngineCore:
         """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request is
         constrained (:attr:`Request.step_constraint`: a grammar, or a forced end of reasoning; rows in batch
         order: ``1 +`` its scheduled drafts per request)."""
-        sampling = [r for rid, r in requests.items()
-                    if r.num_computed_tokens + sched.num_scheduled_tokens[rid] >= r.num_tokens]
+        sampling = [r for rid, r in requests.items() if r.num_computed_tokens + sched.num_scheduled_tokens[rid]
+                    >= r.num_tokens + r.num_output_placeholders]
         constraints = [r.step_constraint for r in sampling]
         if all(c is None for c in constraints):
             return
@@ -298,10 +303,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return an output for every request that sampled a token or finished.
 
-        With one step in flight at a time (``executor.max_concurrent_batches`` 1) a step schedules, runs and
-        updates. With more (pipeline parallelism: vLLM's batch queue) a step schedules and submits a batch of
-        requests that are not in flight while there is room, and collects the oldest batch's output when the
-        queue is full or nothing new could be scheduled; so a step may return only grammar aborts.
+        With one step in flight at a time (:attr:`max_in_flight` 1) a step schedules, runs and updates. With more
+        (pipeline parallelism, vLLM's batch queue; async scheduling) a step schedules and submits a batch while
+        there is room, and collects the oldest batch's output when the queue is full or nothing new could be
+        scheduled; so a step may return only grammar aborts. Under async scheduling a failed step also fails the
+        step submitted after it (which built on its tokens).
 
         Raises:
             StepFailed: the model (or the draft model) raised; the step's requests are aborted (those that
@@ -316,9 +322,9 @@ class EngineCore:
             logger.log(logging.INFO if error.client_error else logging.ERROR, "request %s: %s", rid, error.message)
         outputs = [EngineCoreOutput(r.request_id, [], None, finish_reason="abort", error=failed[r.request_id])
                    for r in self.abort_requests(list(failed))]
-        submitted = len(self.batch_queue) < self.executor.max_concurrent_batches and self._schedule_and_submit()
+        submitted = len(self.batch_queue) < self.max_in_flight and self._schedule_and_submit()
         transfers_ended = False
-        if self.batch_queue and (not submitted or len(self.batch_queue) == self.executor.max_concurrent_batches):
+        if self.batch_queue and (not submitted or len(self.batch_queue) == self.max_in_flight):
             collected, transfers_ended = self._collect_oldest()
             outputs += collected
         self._idle = not outputs and not self._num_scheduled_tokens and not transfers_ended
@@ -356,9 +362,31 @@ class EngineCore:
             raise
         except Exception as e:  # the grammar matchers raised, or the step could not be sent (e.g. not picklable)
             raise StepFailed(self._fail_step(sched, sent=False), e) from e
-        self.scheduler.in_flight.update(requests)
-        self.batch_queue.append(_Batch(sched, requests, {rid: r.num_output_tokens for rid, r in requests.items()}))
+        self.scheduler.submitted(sched)
+        self.batch_queue.append(_Batch(sched, requests))
         return True
+
+    def _fail_later_steps(self) -> list[str]:
+        """Under async scheduling, after a failed step: wait for the steps submitted after it (their requests'
+        inputs may be the failed step's tokens) and fail them too, returning their request ids; nothing otherwise
+        (pipeline parallelism's other steps hold other requests).
+
+        Raises:
+            WorkerDiedError: as :meth:`Executor.collect`.
+        """
+        failed: list[str] = []
+        while self.config.scheduler.async_scheduling and self.batch_queue:
+            sched = self.batch_queue.popleft().sched
+            try:
+                self.executor.collect()
+            except WorkerDiedError:
+                raise
+            except Exception:  # noqa: BLE001 - the step fails either way
+                logger.debug("a step after a failed one raised too", exc_info=True)
+            finally:
+                self.scheduler.collected(sched)
+            failed += self._fail_step(sched, sent=True)
+        return failed
 
     def _collect_oldest(self) -> tuple[list[EngineCoreOutput], bool]:
         """Wait for the oldest submitted batch, update the scheduler from its output and turn that into outputs
@@ -374,15 +402,17 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as e:  # the model or the draft model raised
-            raise StepFailed(self._fail_step(sched, sent=True), e) from e
+            failed = self._fail_step(sched, sent=True) + self._fail_later_steps()
+            raise StepFailed(list(dict.fromkeys(failed)), e) from e
         finally:
-            self.scheduler.in_flight.difference_update(requests)
+            self.scheduler.collected(sched)
         now = time.time()
         outputs = []
         kv_out = result.kv_connector_output
         if kv_out is not None:
             self.stats.kv_offload.update(kv_out.stats)
         transfers_ended = kv_out is not None and bool(kv_out.finished_recving or kv_out.finished_sending)
+        num_before = {rid: r.num_output_tokens for rid, r in requests.items()}
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result)}
         for rid, request in requests.items():
             if rid not in result.sampled_token_ids or (rid not in finished and rid not in self.scheduler.requests):
@@ -390,14 +420,13 @@ class EngineCore:
             logprobs = result.logprobs.get(rid)
             self.stats.spec_decode.observe(len(sched.scheduled_spec_decode_tokens.get(rid, ())),
                                            len(result.sampled_token_ids[rid]) - 1)
-            num_before = batch.num_output_tokens[rid]
-            new_tokens = request.output_token_ids[num_before:]
+            new_tokens = request.output_token_ids[num_before[rid]:]
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens = request.num_output_tokens
-            first = num_before == 0
+            first = num_before[rid] == 0
             if first:
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.stats.num_generation_tokens += len(new_tokens)
@@ -420,9 +449,7 @@ class EngineCore:
 
 @dataclass
 class _Batch:
-    """A submitted step that the engine core has not collected: the step, its requests by id, and how many output
-    tokens each had when it was scheduled."""
+    """A submitted step that the engine core has not collected: the step and its requests by id."""
 
     sched: SchedulerOutput
     requests: dict[str, Request]
-    num_output_tokens: dict[str, int]

@@ -124,6 +124,7 @@ class Request(TokenSequence):
         self.max_tokens = sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens sampled in steps in flight, not yet known (async scheduling)
         self.num_cached_tokens = -1
         self.stop_reason: str | int | None = None
         self.prompt_logprobs: list[PositionLogprobs | None] = []

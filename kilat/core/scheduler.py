@@ -19,6 +19,17 @@ the next step takes other requests and the stages overlap. So that there are oth
 at most ``1 / max_concurrent_batches`` of the running requests (rounded up): decoding requests split into
 micro-batches that take turns.
 
+With async scheduling (``SchedulerConfig.async_scheduling``) the engine core schedules step n+1 while step n runs,
+before step n's sampled tokens are known. When a step is sent (:meth:`Scheduler.submitted`) its requests' computed
+tokens advance at once, and each request whose chunk reaches its last token holds a placeholder
+(``Request.num_output_placeholders``) for the token it samples; the next schedule counts the placeholders as
+tokens, so a decoding request is scheduled for one more token, whose input the runner takes from its own state
+(it ran step n first). The output of step n then only appends the tokens. A request in flight is not scheduled
+again when its next step depends on what it samples: it has a grammar or split reasoning (the next bitmask needs
+the grammar's state), or its placeholders reach ``max_tokens`` or ``max_model_len``. A request that stops in step
+n (EOS, a stop token or string, an abort) has also been computed in step n+1: that token is dropped, and its
+blocks, freed at step n's output, are reused only by steps that run after step n+1.
+
 With a KV connector (:mod:`kilat.kv_connector.base`), a waiting request whose prompt continues past its local
 prefix-cache hit with blocks the connector holds gets those blocks allocated and waits
 (``WAITING_FOR_REMOTE_KVS``, in :attr:`Scheduler.waiting_for_remote_kvs`) until the worker reports them loaded;
@@ -32,6 +43,7 @@ sent.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from kilat.config import SchedulerConfig
 from kilat.core.block_pool import KVBlock
@@ -81,7 +93,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preempted_tokens = 0  # computed tokens whose KV preemptions discarded
         self.finished_req_ids: set[str] = set()  # ended since the last schedule(): the runner drops their state
-        self.in_flight: set[str] = set()  # requests of steps sent whose output has not come back (module docs)
+        self.async_scheduling = config.async_scheduling
+        self.in_flight: Counter[str] = Counter()  # request id → steps sent whose output has not come back
         self._num_sent_blocks: dict[str, list[int]] = {}  # request id → block ids the runner holds, per group
         self._num_sent_tokens: dict[str, int] = {}  # request id → tokens the runner was sent (prompt included)
 
@@ -156,13 +169,15 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         request.metrics.finished_time = time.time()
 
-    def _preempt_last(self) -> tuple[int, Request]:
+    def _preempt_last(self) -> tuple[int, Request] | None:
         """Preempt the running request that is not in flight and that ``scheduling_policy`` ranks last: the newest
         (``fcfs``), or the lowest priority, newest first (``priority``). Returns its index in :attr:`running`
-        before it left, and the request."""
+        before it left, and the request; ``None`` when every running request is in flight (async scheduling)."""
         policy = self.config.scheduling_policy
         index = max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
-                    key=lambda i: preemption_key(self.running[i], policy, i))
+                    key=lambda i: preemption_key(self.running[i], policy, i), default=None)
+        if index is None:
+            return None
         victim = self.running.pop(index)
         self._free_blocks(victim)
         self.num_preempted_tokens += victim.num_computed_tokens
@@ -183,6 +198,17 @@ class Scheduler:
         if reasoning is not None and reasoning.open and request.grammar is not None:
             return []
         return result.spec_token_ids.get(request.request_id, [])
+
+    def _schedulable_in_flight(self, request: Request) -> bool:
+        """Whether a request with a step in flight may be scheduled again now (module docs): only under async
+        scheduling, without a grammar or split reasoning, and while its placeholders leave it short of
+        ``max_tokens`` and ``max_model_len``."""
+        if not self.async_scheduling or request.grammar is not None or request.reasoning is not None:
+            return False
+        pending = request.num_output_placeholders
+        if request.max_tokens is not None and request.num_output_tokens + pending >= request.max_tokens:
+            return False
+        return request.num_tokens + pending < self.max_model_len
 
     def _fit_drafts(self, request: Request, room: int) -> None:
         """Keep only the drafts that fit in ``room`` tokens of this step's budget."""
@@ -225,13 +251,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         i = 0
+        stalled = False  # a running request found no blocks, and every one that could give them up is in flight
         max_running = -(-len(self.running) // self.max_concurrent_batches)  # this step's share (module docs)
         while i < len(self.running) and budget > 0 and len(scheduled) < max_running:
             request = self.running[i]
-            if request.request_id in self.in_flight:
+            if request.request_id in self.in_flight and not self._schedulable_in_flight(request):
                 i += 1
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             if request.spec_token_ids:
                 self._fit_drafts(request, budget - num_new)
                 num_new += len(request.spec_token_ids)
@@ -241,7 +268,11 @@ class Scheduler:
             num_new = min(num_new, budget)
             lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
-                index, victim = self._preempt_last()
+                preemption = self._preempt_last()
+                if preemption is None:
+                    stalled = True
+                    break
+                index, victim = preemption
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -252,14 +283,14 @@ class Scheduler:
                             budget += num
                             del scheduled[k]
                             break
-            if request.status != RequestStatus.RUNNING:
+            if stalled or request.status != RequestStatus.RUNNING:
                 break
             scheduled.append((request, num_new))
             budget -= num_new
             i += 1
 
         skipped: list[Request] = []
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and not stalled and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             grammar = request.grammar
@@ -392,6 +423,26 @@ class Scheduler:
                     new_blocks, request.num_computed_tokens))
         return out
 
+    def submitted(self, out: SchedulerOutput) -> None:
+        """The engine core sent ``out``'s step: its requests are in flight until :meth:`collected`. Under async
+        scheduling their computed tokens advance now, and each whose chunk reaches its last token (placeholders
+        counted) holds one more placeholder (module docs)."""
+        for rid, num_new in out.num_scheduled_tokens.items():
+            self.in_flight[rid] += 1
+            if self.async_scheduling:
+                request = self.requests[rid]
+                request.num_computed_tokens += num_new
+                if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                    request.num_output_placeholders += 1
+
+    def collected(self, out: SchedulerOutput) -> None:
+        """The output of ``out``'s step came back (or the step failed): its requests leave :attr:`in_flight` once
+        no other step of theirs is there."""
+        for rid in out.num_scheduled_tokens:
+            self.in_flight[rid] -= 1
+            if not self.in_flight[rid]:
+                del self.in_flight[rid]
+
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens past the accepted drafts, append sampled tokens, finish requests that stop,
         and take the drafts proposed for the next step.
@@ -407,13 +458,16 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:  # ended between schedule() and now
                 continue
-            request.num_computed_tokens += num_new
+            if not self.async_scheduling:  # else advanced when the step was sent
+                request.num_computed_tokens += num_new
             if rid in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[rid])
             tokens = result.sampled_token_ids.get(rid)
             if tokens is None:
                 request.spec_token_ids = self._drafts(request, result)
                 continue
+            if self.async_scheduling:
+                request.num_output_placeholders -= 1
             num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
             if num_drafts:
                 request.num_computed_tokens -= num_drafts - (len(tokens) - 1)

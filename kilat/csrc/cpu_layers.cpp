@@ -19,9 +19,10 @@
 //   silu_and_mul(x [..., 2I]) -> [..., I]: out = r(r(silu(g)) * u), g = x[..., :I], u = x[..., I:], silu(g) =
 //     g / (1 + exp(-g)) in float32 (HF's act_fn(gate) * up; exp to about 1 ulp, so float32 may differ from torch's
 //     in the last bit).
-//   argmax(x [B, V] float32) -> int64 [B]: per row, the index of the first maximum, or of the first NaN when the
-//     row has one (torch.argmax's rule); the greedy sampler's pick, at the memory's speed (torch's CPU argmax reads
-//     a batch's logits at about a third of it).
+//   argmax(x [B, V]) -> int64 [B]: per row, the index of the first maximum, or of the first NaN when the row has one
+//     (torch.argmax's rule; bfloat16/float16 values compare as their exact float32 widening, so the pick equals
+//     the argmax of x.float()); the greedy sampler's pick, at the memory's speed (torch's CPU argmax reads a batch's
+//     logits at about a third of it).
 //
 // AVX-512 (F, BW, VL) code paths, AVX2 (with FMA and F16C) ones for rows whose length is a multiple of 8 (their
 // RMSNorm sum in the AVX-512 path's 16 lanes and tree order), portable loops otherwise (same arithmetic, the RMSNorm
@@ -454,12 +455,13 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
-// Index of the first NaN of x[0, n) (the vector passes found one).
-int64_t first_nan(const float* x, int64_t n) {
-  return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+// Index of the first NaN of x[0, n) (a vector pass found one, or the scalar loop looks).
+template <typename T>
+int64_t first_nan(const T* x, int64_t n) {
+  return std::find_if(x, x + n, [](T v) { return std::isnan(static_cast<float>(v)); }) - x;
 }
 
+#if defined(KILAT_AVX512) || defined(KILAT_AVX2)
 // Of the lanes' best values and their first indices, the smallest index among the lanes holding the largest value
 // (stored in `best`).
 int64_t lanes_first_max(const float* bv, const int32_t* bi, int lanes, float& best) {
@@ -471,10 +473,12 @@ int64_t lanes_first_max(const float* bv, const int32_t* bi, int lanes, float& be
 }
 #endif
 
-// Index of the first maximum of x[0, n), or of the first NaN. Each lane keeps the first index of its largest value
-// (a later value must be strictly greater to replace it); two sets of lanes take alternate chunks, and the lanes
-// holding the overall maximum give it their smallest index.
-int64_t argmax_row(const float* x, int64_t n) {
+// Index of the first maximum of x[0, n), or of the first NaN, comparing the values widened to float32 (exact for
+// every T, so the order is x's own). Each lane keeps the first index of its largest value (a later value must be
+// strictly greater to replace it); two sets of lanes take alternate chunks, and the lanes holding the overall
+// maximum give it their smallest index.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
   int64_t i = 0;
   float best = -INFINITY;
   int64_t at = 0;
@@ -484,9 +488,10 @@ int64_t argmax_row(const float* x, int64_t n) {
     __m512i i0 = _mm512_setzero_si512(), i1 = i0;
     __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
+    const __mmask16 all = 0xFFFF;
     __mmask16 unordered = 0;
     for (; i + 32 <= n; i += 32) {
-      const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+      const __m512 v0 = vload(x + i, all), v1 = vload(x + i + 16, all);
       const __mmask16 g0 = _mm512_cmp_ps_mask(v0, b0, _CMP_GT_OQ);
       const __m512i idx1 = _mm512_add_epi32(idx, step);
       const __mmask16 g1 = _mm512_cmp_ps_mask(v1, b1, _CMP_GT_OQ);
@@ -514,7 +519,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     const __m256i step = _mm256_set1_epi32(8);
     __m256 unordered = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-      const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+      const __m256 v0 = vload8(x + i), v1 = vload8(x + i + 8);
       const __m256 g0 = _mm256_cmp_ps(v0, b0, _CMP_GT_OQ), g1 = _mm256_cmp_ps(v1, b1, _CMP_GT_OQ);
       const __m256i idx1 = _mm256_add_epi32(idx, step);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
@@ -535,28 +540,31 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
 #endif
   if (i == 0) {  // no vector pass: the first element leads
-    if (std::isnan(x[0])) return 0;
-    best = x[0];
+    best = static_cast<float>(x[0]);
+    if (std::isnan(best)) return 0;
     i = 1;
   }
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > best) best = x[i], at = i;
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > best) best = v, at = i;
   }
   return at;
 }
 
 at::Tensor argmax(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0 &&
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && supported(x_in.scalar_type()) && x_in.size(1) > 0 &&
                   x_in.size(1) < (int64_t{1} << 31),
-              "x must be a float32 CPU tensor [B, V] with 0 < V < 2^31");
+              "x must be a float32, bfloat16 or float16 CPU tensor [B, V] with 0 < V < 2^31");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* src = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(src + r * stride, n);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(src + r * stride, n);
+    });
   });
   return out;
 }

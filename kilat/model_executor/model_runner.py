@@ -39,7 +39,7 @@ from kilat.model_executor.forward_context import ForwardContext, set_forward_con
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.loader.metadata import max_position_embeddings
 from kilat.model_executor.request_state import CachedRequestState
-from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs
+from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs, plain_greedy
 from kilat.outputs import PositionLogprobs
 from kilat.spec_decode import Proposer, build_proposer
 from kilat.spec_decode.rejection import verify
@@ -418,8 +418,11 @@ class ModelRunner:
             raise RuntimeError("the grammar bitmask's requests are not the requests that sample this step")
         if len(sample_rows) < hidden.shape[0]:  # else every row samples (the rows are distinct, in order)
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
-        logits = self.model.compute_logits(hidden)
-        if any(r.spec_token_ids for r in sample_reqs):
+        drafts = any(r.spec_token_ids for r in sample_reqs)
+        # a bare argmax per row reads the head's own dtype: its pick equals the float32 copy's
+        logits = self.model.compute_logits(hidden, keep_dtype=not drafts and plain_greedy(sample_reqs,
+                                                                                         sched.grammar_bitmask))
+        if drafts:
             outcomes = verify(logits, sample_reqs, sched.grammar_bitmask)
         else:
             out = self.sampler(logits, sample_reqs, sched.grammar_bitmask)

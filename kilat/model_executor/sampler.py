@@ -38,11 +38,12 @@ if TYPE_CHECKING:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax of ``x`` ``[B, V]``: int64 ``[B]``, the first maximum (the first NaN in a row that has
-    one), ``torch.argmax``'s rule. Float32 CPU rows go through kilat's vectorized kernel
-    (``kilat_cpu_<isa>::argmax``, :mod:`kilat.model_executor.layers.cpu_kernels`; torch's CPU argmax reads a batch's
-    logits at about a third of the memory's speed), anything else through ``torch.argmax``."""
-    ops = cpu_layer_ops(x) if x.dtype == torch.float32 and x.dim() == 2 else None
+    """Each row's argmax of ``x`` ``[B, V]`` (float32, bfloat16 or float16): int64 ``[B]``, the first maximum (the
+    first NaN in a row that has one), ``torch.argmax``'s rule; for 16-bit ``x`` it equals the argmax of
+    ``x.float()`` (the widening is exact). CPU rows go through kilat's vectorized kernel (``kilat_cpu_<isa>::argmax``,
+    :mod:`kilat.model_executor.layers.cpu_kernels`; torch's CPU argmax reads a batch's logits at about a third of the
+    memory's speed), others through ``torch.argmax``."""
+    ops = cpu_layer_ops(x) if x.dim() == 2 else None
     return ops.argmax(x) if ops is not None else x.argmax(dim=-1)
 
 
@@ -84,6 +85,7 @@ class Sampler:
         Args:
             logits: float32 ``[B, V]``; row ``i`` holds the next-token logits of ``requests[i]``. Only a
                 ``bitmask`` modifies it, in place, and only when no row asks for logprobs (which need it raw).
+                When :func:`plain_greedy` holds it may be in the model's 16-bit dtype (:func:`argmax_rows`).
             requests: ``B`` requests supplying ``sampling_params``, ``prompt_token_ids``,
                 ``output_token_ids``, ``generator`` and ``eos_token_id``.
             bitmask: structured outputs' allowed tokens of the constrained rows, applied after the
@@ -93,7 +95,7 @@ class Sampler:
         Returns:
             A :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
         """
-        if bitmask is None and all(_is_plain_greedy(r) for r in requests):
+        if plain_greedy(requests, bitmask):
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(requests))
         processed, picked = process_logits(logits, requests, bitmask)
         if len(picked) == len(requests):
@@ -153,6 +155,12 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int] | 
     targets = torch.as_tensor(target_token_ids, dtype=torch.long, device=logits.device)
     return _logprob_entries(torch.log_softmax(logits.float(), dim=-1), targets,
                             [num_logprobs] * logits.shape[0])
+
+
+def plain_greedy(rows: Sequence[SamplingRow], bitmask: TokenBitmask | None = None) -> bool:
+    """Whether sampling ``rows`` is a bare argmax each (no grammar, and no row with a temperature, bias, penalty,
+    active ``min_tokens`` or logprobs): then the logits need no float32 copy."""
+    return bitmask is None and all(_is_plain_greedy(r) for r in rows)
 
 
 def _is_plain_greedy(request: SamplingRow) -> bool:

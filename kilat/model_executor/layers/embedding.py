@@ -125,7 +125,9 @@ class ParallelLMHead(ColumnParallelLinear):
             part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
         return part
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (every rank gets all of them)."""
-        logits = tensor_model_parallel_all_gather(self(hidden).float())
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """``hidden [N, hidden_size] -> logits [N, vocab_size]`` (every rank gets all of them): float32, or with
+        ``keep_dtype`` in the projection's own dtype (no float32 copy)."""
+        logits = self(hidden)
+        logits = tensor_model_parallel_all_gather(logits if keep_dtype else logits.float())
         return logits[..., :self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

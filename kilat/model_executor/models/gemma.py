@@ -126,12 +126,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().__init__(config, dtype, quant_config)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]``, soft-capped to
-        ``c * tanh(logits / c)`` with ``c = config.final_logit_softcapping`` when set."""
-        logits = super().compute_logits(hidden)
+        ``c * tanh(logits / c)`` with ``c = config.final_logit_softcapping`` when set (in float32 then, whatever
+        ``keep_dtype`` asks: :meth:`LlamaForCausalLM.compute_logits`)."""
         cap = self.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return super().compute_logits(hidden, keep_dtype)
+        return torch.tanh(super().compute_logits(hidden) / cap) * cap
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

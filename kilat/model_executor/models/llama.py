@@ -363,11 +363,13 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]`` (all of them on every rank), divided by
-        ``config.logits_scaling`` when set."""
-        logits = self.lm_head.compute_logits(hidden)
-        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+        ``config.logits_scaling`` when set. ``keep_dtype`` (the greedy pick, whose argmax of 16-bit logits equals that
+        of their float32 copy) leaves them in the model dtype when nothing is computed on them after the head."""
+        if self.logits_scaling != 1.0:
+            return self.lm_head.compute_logits(hidden) / self.logits_scaling
+        return self.lm_head.compute_logits(hidden, keep_dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into this model's (fused) parameters
