@@ -18,6 +18,7 @@ from kilat.core.scheduler import Scheduler
 from kilat.core.scheduler_output import ModelRunnerOutput
 from kilat.sampling_params import StructuredOutputsParams
 from tests.conftest import NUM_NEW_TOKENS, smollm2_dir
+from tests.test_engine import fail_on_call
 from tests.test_step_contract import PROMPTS, contract_engine_kwargs, generate_mixed
 
 FEATURES: list[tuple[str | list[int], SamplingParams]] = [
@@ -152,23 +153,13 @@ def test_abort_in_flight_frees_everything(tiny_llama_dir):
             elif out.request_id in ("1", "3") and out.outputs[0].token_ids:
                 engine.abort_request([out.request_id])
     assert [done[r].outputs[0].token_ids for r in ("0", "2")] == [w[0] for w in want]
-    assert {done[r].outputs[0].finish_reason for r in ("1", "3") if r in done} <= {"abort"}
+    assert set(done) == {"0", "2"}  # an aborted request reports nothing more
     _assert_all_free(llm)
 
 
 def test_failed_step_fails_the_step_behind_it_and_engine_recovers(tiny_llama_dir, monkeypatch):
     llm = LLM(tiny_llama_dir, **_engine_kwargs(async_scheduling=True))
-    runner = llm.engine.core.runner
-    real = runner.execute
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated device failure")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+    calls = fail_on_call(monkeypatch, llm, 3)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(["one", "two", "three"], SamplingParams(max_tokens=8), use_tqdm=False)
     assert calls["n"] == 4, "the step in flight behind the failed one runs and is failed too"

@@ -204,18 +204,25 @@ def test_stop_strings_wait_for_min_tokens_and_apply_per_completion(llm):
     assert_all_free(llm)
 
 
-def test_failed_step_frees_everything_and_engine_recovers(llm, monkeypatch):
+def fail_on_call(monkeypatch: pytest.MonkeyPatch, llm: LLM, call: int) -> dict[str, int]:
+    """Make the ``call``-th step of ``llm``'s runner raise (a simulated device failure); returns the count of steps
+    it was handed (``"n"``)."""
     runner = llm.engine.core.runner
     real = runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == call:
             raise RuntimeError("simulated device failure")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "execute", flaky)
+    return calls
+
+
+def test_failed_step_frees_everything_and_engine_recovers(llm, monkeypatch):
+    fail_on_call(monkeypatch, llm, 3)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(["one", "two", "three"], SamplingParams(max_tokens=8), use_tqdm=False)
     assert_all_free(llm)
