@@ -197,8 +197,8 @@ class SchedulerConfig:
             streaming and metrics. Greedy outputs are unchanged. Off by default: on the CPU the steps still run
             one after the other on the engine's thread (the model's threads hold every core, so an overlap would
             cost the forward what it saves: docs/benchmarks.md, "Async scheduling"), and on CUDA, where a thread
-            runs each step while the next is scheduled, it is not measured yet. A request with a grammar or split
-            reasoning is scheduled only once its last token is known. Not with speculative decoding, pipeline
+            runs each step while the next is scheduled, it is not measured yet. A request with a grammar or a
+            thinking budget is scheduled only once its last token is known. Not with speculative decoding, pipeline
             parallelism or a KV connector (yet).
     """
 
@@ -238,7 +238,7 @@ class ExecutionConfig:
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclass
@@ -329,13 +329,21 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: copy the tokens that followed the latest earlier occurrence of the
-            sequence's last n tokens) or ``"draft_model"`` (a smaller model with the same vocabulary).
+            sequence's last n tokens), ``"draft_model"`` (a smaller model with the same vocabulary) or ``"suffix"``
+            (suffix decoding: the most frequent continuation of the sequence's longest recurring suffix, in its own
+            tokens and in earlier requests' outputs; :mod:`kilat.spec_decode.suffix`).
         num_speculative_tokens: most draft tokens per request and step (k).
         model: the draft model for ``"draft_model"`` (as :attr:`ModelConfig.model`; ``None`` is the embedded
-            SmolLM2-135M-Instruct); must be ``None`` for ``"ngram"``.
+            SmolLM2-135M-Instruct); must be ``None`` for the other methods.
         load_format: the draft model's load format (as :attr:`ModelConfig.load_format`).
         prompt_lookup_min: shortest suffix n-gram looked up (tokens, ``"ngram"``).
         prompt_lookup_max: longest suffix n-gram looked up (tokens, ``"ngram"``); longer matches are tried first.
+        suffix_decoding_max_tree_depth: longest suffix matched (tokens, ``"suffix"``; vLLM's knobs).
+        suffix_decoding_max_cached_requests: finished requests whose outputs the global cache keeps (``"suffix"``;
+            0: none, only the request's own tokens are searched).
+        suffix_decoding_max_spec_factor: at most this many draft tokens per matched token (``"suffix"``).
+        suffix_decoding_min_token_prob: the smallest frequency, among the matched occurrences that agree with the
+            draft so far, of a drafted token (``"suffix"``).
     """
 
     method: str
@@ -344,6 +352,10 @@ class SpeculativeConfig:
     load_format: str = "auto"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
@@ -359,6 +371,19 @@ class SpeculativeConfig:
         _check(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "speculative_config.prompt_lookup_max",
                f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max}")
+        _check(isinstance(self.suffix_decoding_max_tree_depth, int) and 1 <= self.suffix_decoding_max_tree_depth
+               <= 256, "speculative_config.suffix_decoding_max_tree_depth",
+               f"must be in [1, 256], got {self.suffix_decoding_max_tree_depth}")
+        _check(isinstance(self.suffix_decoding_max_cached_requests, int) and
+               0 <= self.suffix_decoding_max_cached_requests <= 1_000_000,
+               "speculative_config.suffix_decoding_max_cached_requests",
+               f"must be in [0, 1000000], got {self.suffix_decoding_max_cached_requests}")
+        _check(isinstance(self.suffix_decoding_max_spec_factor, (int, float)) and
+               0 < self.suffix_decoding_max_spec_factor <= 64, "speculative_config.suffix_decoding_max_spec_factor",
+               f"must be in (0, 64], got {self.suffix_decoding_max_spec_factor}")
+        _check(isinstance(self.suffix_decoding_min_token_prob, (int, float)) and
+               0 <= self.suffix_decoding_min_token_prob <= 1, "speculative_config.suffix_decoding_min_token_prob",
+               f"must be in [0, 1], got {self.suffix_decoding_min_token_prob}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:

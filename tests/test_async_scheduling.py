@@ -137,12 +137,24 @@ def test_preemption_prefix_hits_and_chunked_prefill_match_sync(tiny_llama_dir):
 
 
 def test_abort_in_flight_frees_everything(tiny_llama_dir):
-    """Requests aborted right after their first token (then in flight again) end with ``abort``; the others'
-    tokens equal a run without them."""
+    """Requests aborted right after their first token, while their next step is in flight: the core reports
+    nothing more of them (that step's token is dropped), every block is freed, and the others' tokens equal a run
+    without them."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = _outcome(LLM(tiny_llama_dir, **_engine_kwargs()), [(PROMPTS[i], greedy) for i in (0, 2)])
     llm = LLM(tiny_llama_dir, **_engine_kwargs(async_scheduling=True))
     engine = llm.engine
+    core = engine.core
+    real_step = core.step
+    aborted: set[str] = set()
+    late: list[str] = []  # core outputs of requests after their abort
+
+    def step():
+        outputs = real_step()
+        late.extend(o.request_id for o in outputs if o.request_id.partition("#")[0] in aborted)
+        return outputs
+
+    core.step = step
     for i in range(4):
         engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, greedy)
     done: dict[str, Any] = {}
@@ -151,9 +163,11 @@ def test_abort_in_flight_frees_everything(tiny_llama_dir):
             if out.finished:
                 done[out.request_id] = out
             elif out.request_id in ("1", "3") and out.outputs[0].token_ids:
+                assert core.scheduler.in_flight, "the next step is in flight when the request is aborted"
                 engine.abort_request([out.request_id])
+                aborted.add(out.request_id)
+    assert aborted == {"1", "3"} and not late
     assert [done[r].outputs[0].token_ids for r in ("0", "2")] == [w[0] for w in want]
-    assert set(done) == {"0", "2"}  # an aborted request reports nothing more
     _assert_all_free(llm)
 
 
@@ -222,8 +236,35 @@ def test_scheduler_schedules_in_flight_decodes_with_placeholders():
     assert b.num_output_placeholders == 0 and b.output_token_ids == [7, 8]
 
 
-def test_bad_combinations_are_refused():
+@pytest.mark.parametrize("kwargs", [{"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                                    {"pipeline_parallel_size": 2},
+                                    {"kv_offloading_size": 1.0, "kv_offloading_path": "/tmp/kilat-kv"}])
+def test_bad_combinations_are_refused(kwargs):
+    EngineArgs(**kwargs).create_engine_config()  # fine without async scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
-                   ).create_engine_config()
+        EngineArgs(async_scheduling=True, **kwargs).create_engine_config()
 
+
+
+def test_preemption_takes_the_policys_victim_or_waits_for_it():
+    """Under async scheduling a request short of blocks preempts the request ``fcfs`` ranks last, as without it:
+    while that one is in flight nothing is preempted (not an older request that happens to be idle) and the
+    running requests wait; once its step is back, it is preempted."""
+    kv = KVCacheManager(3, 4, False)
+    s = Scheduler(SchedulerConfig(8, 64, True, admission_headroom=False, async_scheduling=True), kv, max_model_len=64)
+    a, b, c = (_decoding(s, rid, 8) for rid in "abc")
+    for request in (a, b, c):  # prompts of 4 tokens: one block each, the cache is full
+        request.prompt_token_ids.append(4)
+        request.all_token_ids.append(4)
+        request.num_prompt_tokens += 1
+    first = s.schedule()
+    s.submitted(first)
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={rid: [7] for rid in "abc"}))
+    s.collected(first)
+    s.in_flight.update(["a", "c"])  # a and c (the newest) have a step in flight, b has none
+    stalled = s.schedule()  # a's next token needs a block: c is the victim, but it is in flight
+    assert stalled.num_scheduled_tokens == {} and not stalled.preempted_req_ids
+    assert [r.request_id for r in s.running] == ["a", "b", "c"]
+    del s.in_flight["c"]
+    out = s.schedule()  # c's block goes to a; then b, the newest left, has none and preempts itself
+    assert out.preempted_req_ids == {"b", "c"} and out.num_scheduled_tokens == {"a": 1}

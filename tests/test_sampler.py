@@ -312,7 +312,10 @@ def test_greedy_picks_from_the_heads_own_dtype(tiny_llama_dir):
     assert model.compute_logits(hidden, keep_dtype=True).dtype == torch.float32
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     model.logits_scaling = 1.0
-    fast = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], greedy, use_tqdm=False)]
     real = model.compute_logits
+    asked: list[bool] = []
+    model.compute_logits = lambda h, keep_dtype=False: asked.append(keep_dtype) or real(h, keep_dtype)
+    fast = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], greedy, use_tqdm=False)]
+    assert asked and all(asked), "every greedy batch asks for the head's own dtype"
     model.compute_logits = lambda h, keep_dtype=False: real(h)  # every pick from the float32 copy
     assert [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], greedy, use_tqdm=False)] == fast

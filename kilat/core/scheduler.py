@@ -25,10 +25,12 @@ tokens advance at once, and each request whose chunk reaches its last token hold
 (``Request.num_output_placeholders``) for the token it samples; the next schedule counts the placeholders as
 tokens, so a decoding request is scheduled for one more token, whose input the runner takes from its own state
 (it ran step n first). The output of step n then only appends the tokens. A request in flight is not scheduled
-again when its next step depends on what it samples: it has a grammar or split reasoning (the next bitmask needs
-the grammar's state), or its placeholders reach ``max_tokens`` or ``max_model_len``. A request that stops in step
-n (EOS, a stop token or string, an abort) has also been computed in step n+1: that token is dropped, and its
-blocks, freed at step n's output, are reused only by steps that run after step n+1.
+again when its next step depends on what it samples: a sampling step of it is in flight and it has a grammar or a
+thinking budget (the next bitmask needs their state), or its placeholders reach ``max_tokens`` or
+``max_model_len``. A request short of blocks preempts the request the policy ranks last; when that one is in
+flight, the running requests from it on wait a step (the steps in flight drain; the next schedule preempts it). A
+request that stops in step n (EOS, a stop token or string, an abort) has also been computed in step n+1: that
+token is dropped, and its blocks, freed at step n's output, are reused only by steps that run after step n+1.
 
 With a KV connector (:mod:`kilat.kv_connector.base`), a waiting request whose prompt continues past its local
 prefix-cache hit with blocks the connector holds gets those blocks allocated and waits
@@ -170,13 +172,16 @@ class Scheduler:
         request.metrics.finished_time = time.time()
 
     def _preempt_last(self) -> tuple[int, Request] | None:
-        """Preempt the running request that is not in flight and that ``scheduling_policy`` ranks last: the newest
-        (``fcfs``), or the lowest priority, newest first (``priority``). Returns its index in :attr:`running`
-        before it left, and the request; ``None`` when every running request is in flight (async scheduling)."""
+        """Preempt the running request that ``scheduling_policy`` ranks last: the newest (``fcfs``), or the lowest
+        priority, newest first (``priority``). With pipeline parallelism that is the last of those not in flight;
+        under async scheduling it is the last of all, and when that one is in flight nothing is preempted (the
+        caller stops scheduling running requests, so the steps in flight drain and the next schedule preempts it).
+        Returns its index in :attr:`running` before it left, and the request, or ``None``."""
         policy = self.config.scheduling_policy
-        index = max((i for i, r in enumerate(self.running) if r.request_id not in self.in_flight),
-                    key=lambda i: preemption_key(self.running[i], policy, i), default=None)
-        if index is None:
+        candidates = range(len(self.running)) if self.async_scheduling else \
+            (i for i, r in enumerate(self.running) if r.request_id not in self.in_flight)
+        index = max(candidates, key=lambda i: preemption_key(self.running[i], policy, i), default=None)
+        if index is None or self.running[index].request_id in self.in_flight:
             return None
         victim = self.running.pop(index)
         self._free_blocks(victim)
@@ -201,11 +206,15 @@ class Scheduler:
 
     def _schedulable_in_flight(self, request: Request) -> bool:
         """Whether a request with a step in flight may be scheduled again now (module docs): only under async
-        scheduling, without a grammar or split reasoning, and while its placeholders leave it short of
+        scheduling; not while a token it samples in flight decides its next step's constraint (a grammar, or a
+        thinking budget that may force the end of its reasoning); and while its placeholders leave it short of
         ``max_tokens`` and ``max_model_len``."""
-        if not self.async_scheduling or request.grammar is not None or request.reasoning is not None:
+        if not self.async_scheduling:
             return False
         pending = request.num_output_placeholders
+        reasoning = request.reasoning
+        if pending and (request.grammar is not None or (reasoning is not None and reasoning.budget is not None)):
+            return False
         if request.max_tokens is not None and request.num_output_tokens + pending >= request.max_tokens:
             return False
         return request.num_tokens + pending < self.max_model_len

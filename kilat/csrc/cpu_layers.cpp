@@ -455,7 +455,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-// Index of the first NaN of x[0, n) (a vector pass found one, or the scalar loop looks).
+// Index of the first NaN of x[0, n) (a vector pass found one).
 template <typename T>
 int64_t first_nan(const T* x, int64_t n) {
   return std::find_if(x, x + n, [](T v) { return std::isnan(static_cast<float>(v)); }) - x;

@@ -75,9 +75,9 @@ class WorkerDiedError(RuntimeError):
 class Executor(ABC):
     """Runs the model's workers and hands each step to them (vLLM's ``Executor``).
 
-    A step is :meth:`submit` then :meth:`collect`; up to :attr:`max_concurrent_batches` steps may be submitted
-    before the oldest is collected (pipeline parallelism keeps one per stage in flight), and outputs come back
-    in submission order.
+    A step is :meth:`submit` then :meth:`collect`; several steps may be submitted before the oldest is collected
+    (pipeline parallelism keeps :attr:`max_concurrent_batches`, one per stage, in flight; async scheduling two), and
+    outputs come back in submission order.
 
     Args:
         config: validated engine configuration.

@@ -292,7 +292,9 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         """Drop finished requests, add new ones, apply the others' changes and this step's drafts."""
         for rid in sched.finished_req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None and self.proposer is not None:
+                self.proposer.request_finished(state)
         for rid in sched.preempted_req_ids:  # their drafts were dropped; free the draft distributions now
             if rid in self.requests:
                 self.requests[rid].clear_drafts()

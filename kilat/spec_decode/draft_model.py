@@ -57,6 +57,9 @@ class DraftModelProposer:
         self.device = runner.device
         self.max_model_len = runner.max_model_len
 
+    def request_finished(self, request: CachedRequestState) -> None:
+        """Nothing to keep: the draft's KV lives in the target's blocks, which the scheduler frees."""
+
     @torch.inference_mode()
     def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
         """Bring the draft's KV up to each request's confirmed tokens and draft for the decoding ones."""

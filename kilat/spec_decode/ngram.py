@@ -76,3 +76,6 @@ class NgramProposer:
             request.spec_token_ids = ngram_lookup(request.all_token_ids, self.config.prompt_lookup_min,
                                                   self.config.prompt_lookup_max, num_slots)
             request.spec_probs = None
+
+    def request_finished(self, request: CachedRequestState) -> None:
+        """Nothing to keep: prompt lookup reads only the request's own tokens."""

@@ -27,6 +27,10 @@ class Proposer(Protocol):
 
     num_lookahead_tokens: int
 
+    def request_finished(self, request: CachedRequestState) -> None:
+        """The request ended (its state leaves the runner): a proposer that learns from finished requests keeps
+        what it needs of it (suffix decoding: its output); the others do nothing."""
+
     def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
         """Set the drafts of every request in ``requests`` that decodes (see :func:`num_draft_slots`).
 
@@ -67,6 +71,10 @@ def build_proposer(config: SpeculativeConfig, runner: ModelRunner) -> Proposer:
         from kilat.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config, runner.max_model_len)
+    if config.method == "suffix":
+        from kilat.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer(config, runner.max_model_len)
     from kilat.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(config, runner)

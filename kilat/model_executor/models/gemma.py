@@ -127,9 +127,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
-        """``hidden [N, hidden_size] -> float32 logits [N, vocab_size]``, soft-capped to
-        ``c * tanh(logits / c)`` with ``c = config.final_logit_softcapping`` when set (in float32 then, whatever
-        ``keep_dtype`` asks: :meth:`LlamaForCausalLM.compute_logits`)."""
+        """``hidden [N, hidden_size] -> logits [N, vocab_size]`` as :meth:`LlamaForCausalLM.compute_logits`, soft-capped
+        to ``c * tanh(logits / c)`` with ``c = config.final_logit_softcapping`` when set (in float32 then, whatever
+        ``keep_dtype`` asks)."""
         cap = self.final_logit_softcapping
         if cap is None:
             return super().compute_logits(hidden, keep_dtype)
