@@ -18,6 +18,10 @@ round differently, so it is only recorded.
 
     python benchmarks/suffix_w10.py --out benchmarks/results/2026-12-07-suffix-w10.json
 
+``--concurrency N`` sends the requests N at a time (one ``llm.chat`` call per group, ``max_num_seqs`` N) instead,
+and ``--disable-by-batch-size B`` gives every speculative configuration that knob. ``--workload w6`` runs the first
+32 W6 chat prompts (128 tokens, EOS ignored) instead of W10, for speculation on text that does not repeat.
+
 ``--smoke`` (2 documents × 2 edits, 16 tokens, k = 4, float32) is what the test suite runs.
 """
 
@@ -117,32 +121,34 @@ def suffix_config(k: int) -> dict[str, Any]:
 
 
 def run_config(name: str, spec: dict[str, Any] | None, requests: list[list[dict[str, str]]], *, dtype: str,
-               max_tokens: int) -> dict[str, Any]:
-    """A fresh engine with ``spec``, one warm-up request, then ``requests`` one at a time: their speed, counters
-    and tokens."""
+               max_tokens: int, concurrency: int = 1, ignore_eos: bool = False) -> dict[str, Any]:
+    """A fresh engine with ``spec``, one warm-up request, then ``requests`` ``concurrency`` at a time: their speed,
+    counters and tokens."""
     from kilat import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": 2048, "max_num_seqs": 1, "seed": 0}
+    kwargs: dict[str, Any] = {"dtype": dtype, "max_model_len": 2048, "max_num_seqs": concurrency, "seed": 0}
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     llm.chat(WARMUP_PROMPT, params, use_tqdm=False)
     stats = llm.engine.stats.spec_decode
     before = dataclasses.replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
     tokens, seconds = [], []
-    for messages in requests:
+    for at in range(0, len(requests), concurrency):
         started = time.perf_counter()
-        (out,) = llm.chat(messages, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - started)
-        tokens.append(list(out.outputs[0].token_ids))
+        outs = llm.chat(requests[at:at + concurrency], params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        seconds += [elapsed / len(outs)] * len(outs)  # a group's time, shared by its requests
+        tokens += [list(out.outputs[0].token_ids) for out in outs]
     spec_stats = spec_delta(before, llm.engine.stats.spec_decode) if spec is not None else None
     del llm, stats
     gc.collect()
     total = sum(len(t) for t in tokens)
     return {"speculative_config": spec, "engine_args": kwargs, "output_tokens": total,
             "duration_s": sum(seconds), "tokens_per_s": total / sum(seconds),
-            "request_tokens_per_s_median": statistics.median(len(t) / s for t, s in zip(tokens, seconds, strict=True)),
+            "request_tokens_per_s_median": statistics.median(len(t) / s for t, s in zip(tokens, seconds, strict=True))
+            if concurrency == 1 else None,
             "spec_decode": spec_stats, "output_token_ids": tokens}
 
 
@@ -152,27 +158,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--k", default="4,8", help="comma-separated num_speculative_tokens values")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=1, help="requests sent together (max_num_seqs)")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config.disable_by_batch_size of every speculative configuration")
+    p.add_argument("--workload", default="w10", choices=("w10", "w6"))
     p.add_argument("--smoke", action="store_true", help="2 documents x 2 edits, 16 tokens, k = 4, float32")
     args = p.parse_args(argv)
     num_documents, num_edits = (2, 2) if args.smoke else (4, 4)
     if args.smoke:
         args.max_tokens, args.k, args.dtype = 16, "4", "float32"
     ks = [int(k) for k in args.k.split(",") if k]
+    extra = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
     configs: dict[str, dict[str, Any] | None] = {"none": None}
-    configs.update({f"ngram-k{k}": ngram_config(k) for k in ks})
-    configs.update({f"suffix-k{k}": suffix_config(k) for k in ks})
-    requests = w10_requests(num_documents, num_edits)
+    configs.update({f"ngram-k{k}": {**ngram_config(k), **extra} for k in ks})
+    configs.update({f"suffix-k{k}": {**suffix_config(k), **extra} for k in ks})
+    if args.workload == "w6":
+        from kilat.bench.datasets import W6_PROMPTS
+
+        requests = [json.loads(line)["messages"] for line in Path(W6_PROMPTS).read_text().splitlines()[:32]]
+        args.max_tokens = 128
+    else:
+        requests = w10_requests(num_documents, num_edits)
     commit, dirty = git_commit()
     report: dict[str, Any] = {
         "benchmark": "suffix_w10", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit,
         "git_dirty": dirty, "machine": machine_info(), "dtype": args.dtype, "smoke": args.smoke,
-        "workload": {"name": "W10 agentic rewrites", "documents": num_documents, "edits_per_document": num_edits,
+        "workload": {"name": "W6 chat prompts (first 32)" if args.workload == "w6" else "W10 agentic rewrites",
+                     "documents": num_documents, "edits_per_document": num_edits,
                      "requests": len(requests), "max_tokens": args.max_tokens, "temperature": 0,
-                     "eos": "honoured", "concurrency": 1, "prefix_caching": True},
+                     "eos": "ignored" if args.workload == "w6" else "honoured", "concurrency": args.concurrency,
+                     "disable_by_batch_size": args.disable_by_batch_size, "prefix_caching": True},
         "configs": {}}
     for name, spec in configs.items():
         print(f"[suffix_w10] {name} ...", file=sys.stderr, flush=True)
-        result = run_config(name, spec, requests, dtype=args.dtype, max_tokens=args.max_tokens)
+        result = run_config(name, spec, requests, dtype=args.dtype, max_tokens=args.max_tokens,
+                            concurrency=args.concurrency, ignore_eos=args.workload == "w6")
         base = report["configs"].get("none")
         if base is not None:
             result["speedup_vs_none"] = result["tokens_per_s"] / base["tokens_per_s"]

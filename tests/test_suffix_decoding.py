@@ -15,7 +15,7 @@ from kilat import LLM, SamplingParams
 from kilat.config import SpeculativeConfig
 from kilat.spec_decode.suffix import END, SuffixCache, SuffixProposer, follow, longest_match
 from tests.request_states import make_state
-from tests.test_step_contract import contract_engine_kwargs, generate_mixed
+from tests.test_step_contract import PROMPTS, contract_engine_kwargs, generate_mixed
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -117,3 +117,19 @@ def test_w10_smoke_equal_to_no_speculation(tmp_path: Path) -> None:
     for name in ("ngram-k4", "suffix-k4"):
         assert configs[name]["identical_to_none"] is True
         assert configs[name]["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_disable_by_batch_size_drafts_only_for_small_batches(tiny_llama_dir):
+    """With ``disable_by_batch_size`` 2, four requests decoding together get no drafts and one alone does; the
+    greedy tokens equal no speculation's either way."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    kwargs = {"dtype": "float32", "max_model_len": 256, "block_size": 8, "kv_cache_memory": 64 << 20}
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama_dir, **kwargs).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(tiny_llama_dir, **kwargs, speculative_config={**SUFFIX, "disable_by_batch_size": 2})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    assert llm.engine.stats.spec_decode.num_draft_tokens == 0
+    assert llm.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == want[0]
+    assert llm.engine.stats.spec_decode.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(**SUFFIX, disable_by_batch_size=0)

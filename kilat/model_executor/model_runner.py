@@ -353,8 +353,10 @@ class ModelRunner:
             request.num_computed_tokens += num_new
         if step.sample_reqs:
             self._sample(hidden, step.sample_rows, step.sample_reqs, sched, result)
-        if self.proposer is not None:
-            self.proposer.propose([request for request, _ in step.scheduled], set(result.sampled_token_ids))
+        if self.proposer is not None:  # above disable_by_batch_size requests, none counts as sampled: no drafts
+            limit = self.config.speculative.disable_by_batch_size
+            drafted = set(result.sampled_token_ids) if limit is None or len(step.scheduled) <= limit else set()
+            self.proposer.propose([request for request, _ in step.scheduled], drafted)
             result.spec_token_ids = {r.request_id: r.spec_token_ids for r, _ in step.scheduled if r.spec_token_ids}
         return result
 
