@@ -288,8 +288,7 @@ class EngineCore:
         """Put the allowed tokens of the step's sampling rows into ``sched`` when any sampling request is
         constrained (:attr:`Request.step_constraint`: a grammar, or a forced end of reasoning; rows in batch
         order: ``1 +`` its scheduled drafts per request)."""
-        sampling = [r for rid, r in requests.items() if r.num_computed_tokens + sched.num_scheduled_tokens[rid]
-                    >= r.num_tokens + r.num_output_placeholders]
+        sampling = [r for rid, r in requests.items() if r.samples_after(sched.num_scheduled_tokens[rid])]
         constraints = [r.step_constraint for r in sampling]
         if all(c is None for c in constraints):
             return

@@ -155,6 +155,12 @@ class Request(TokenSequence):
         """Drop the draft tokens."""
         self.spec_token_ids = []
 
+    def samples_after(self, num_scheduled_tokens: int) -> bool:
+        """Whether a step that computes ``num_scheduled_tokens`` more tokens from ``num_computed_tokens`` reaches the
+        request's last token, the placeholders of its steps in flight counted (async scheduling): that step
+        samples for it."""
+        return self.num_computed_tokens + num_scheduled_tokens >= self.num_tokens + self.num_output_placeholders
+
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (and advance its thinking phase while it reasons, else its grammar, if it has
         one: a grammar constrains the answer only)."""

@@ -440,9 +440,9 @@ class Scheduler:
             self.in_flight[rid] += 1
             if self.async_scheduling:
                 request = self.requests[rid]
-                request.num_computed_tokens += num_new
-                if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                if request.samples_after(num_new):
                     request.num_output_placeholders += 1
+                request.num_computed_tokens += num_new
 
     def collected(self, out: SchedulerOutput) -> None:
         """The output of ``out``'s step came back (or the step failed): its requests leave :attr:`in_flight` once
