@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -113,6 +114,13 @@ def w10_requests(num_documents: int, num_edits: int) -> list[list[dict[str, str]
                 f"Change nothing else. Reply with the whole {'code' if kind == 'python' else 'document'} only, "
                 f"no explanation.\n\n```{kind}\n{document}```")}])
     return requests
+
+
+def dump(report: dict[str, Any]) -> str:
+    """``report`` as indented JSON with each list of integers (the token ids) on one line."""
+    text = json.dumps(report, indent=2)
+    return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]",
+                  lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text) + "\n"
 
 
 def suffix_config(k: int) -> dict[str, Any]:
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
               f"accept len {spec_stats.get('mean_acceptance_length') or 0:.2f}  "
               f"identical {result.get('identical_to_none', '-')}", flush=True)
         if args.out:
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            args.out.write_text(dump(report))
     unequal = [n for n, r in report["configs"].items() if r.get("identical_to_none") is False]
     if args.dtype == "float32" and unequal:
         print(f"greedy float32 tokens differ from no speculation: {unequal}", file=sys.stderr)
