@@ -471,18 +471,49 @@ def w2_decode(engine: Any, input_len: int, out_len: int, iters: int) -> dict[str
     return {**w2, "all_runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in runs]}
 
 
+def dummy_engine(args: argparse.Namespace, model: str, dtype: str = "bfloat16", **engine_kwargs: Any) -> Any:
+    """The kilat engine (``LLM``) of the kilat sections: ``model``'s shapes with dummy weights in ``dtype``, up to 256
+    requests of 1,024 tokens, plus ``engine_kwargs``."""
+    from kilat import LLM
+
+    return LLM(model_name(args, model), load_format="dummy", dtype=dtype, skip_tokenizer_init=True, max_model_len=1024,
+               max_num_seqs=256, max_num_batched_tokens=8192, **(SMOKE_ENGINE_KWARGS if args.smoke else {}),
+               **engine_kwargs)
+
+
+def kilat_w1(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+    """W1 on a kilat engine: 8 warm-up prompts (others than the timed ones, which must not hit the prefix cache),
+    then ``--w1-requests`` prompts at once, each ``--w1-output-len`` tokens.
+
+    Raises:
+        RuntimeError: a request generated another number of tokens.
+    """
+    from kilat import SamplingParams
+
+    vocab = llm.engine.hf_config.vocab_size
+    prompts = w1_prompts(args, vocab)
+    llm.generate(w1_prompts(args, vocab, seed=1)[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    w1_params = SamplingParams(temperature=0, max_tokens=args.w1_output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, w1_params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    if set(lengths) != {args.w1_output_len}:
+        raise RuntimeError(f"kilat W1 generated lengths {sorted(set(lengths))}")
+    graphs = llm.engine.core.runner.cuda_graphs
+    return {"requests": len(prompts), "duration_s": duration, "output_tokens": sum(lengths),
+            "output_tokens_per_s": sum(lengths) / duration, "graph_replays": graphs.num_replays if graphs else 0}
+
+
 def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    from kilat import LLM, SamplingParams
     from kilat.bench.mbu import decode_bytes_per_step, measure_bandwidth
 
     started = time.perf_counter()
-    llm = LLM(model_name(args, model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192,
-              **(SMOKE_ENGINE_KWARGS if args.smoke else {}))
+    llm = dummy_engine(args, model)
     engine = llm.engine
     runner = engine.core.runner
     load_s = time.perf_counter() - started
-    vocab = engine.hf_config.vocab_size
     out_len = args.w2_output_len
     w2 = w2_decode(engine, args.w2_input_len, out_len, args.w2_iters)
     step_bytes = decode_bytes_per_step(runner.model, engine.hf_config, args.w2_input_len + out_len / 2,
@@ -494,45 +525,27 @@ def section_kilat(args: argparse.Namespace, model: str) -> dict[str, Any]:
                "mbu_measured_bandwidth": step_bytes * speed / measured,
                "roofline_tokens_per_s_given": given / step_bytes, "measured_bandwidth_gbps": measured / 1e9})
 
-    prompts = w1_prompts(args, vocab)
-    warm = w1_prompts(args, vocab, seed=1)[:8]  # other prompts: the timed ones must not hit the prefix cache
-    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    w1_params = SamplingParams(temperature=0, max_tokens=args.w1_output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, w1_params, use_tqdm=False)
-    duration = time.perf_counter() - start
-    lengths = [len(o.outputs[0].token_ids) for o in outs]
-    if set(lengths) != {args.w1_output_len}:
-        raise RuntimeError(f"kilat W1 generated lengths {sorted(set(lengths))}")
+    w1 = kilat_w1(args, llm)
     graphs = runner.cuda_graphs
     return {"model": model, "load_s": load_s, "attention_backend": runner.attn_backend.name,
             "fused_kernels": runner.fused_kernels, "cuda_graph_sizes": graphs.sizes if graphs else None,
-            "num_blocks": runner.num_blocks, "w2": w2,
-            "w1": {"requests": len(prompts), "duration_s": duration, "output_tokens": sum(lengths),
-                   "output_tokens_per_s": sum(lengths) / duration,
-                   "graph_replays": graphs.num_replays if graphs else 0}}
+            "num_blocks": runner.num_blocks, "w2": w2, "w1": w1}
 
 
 def section_async(args: argparse.Namespace) -> dict[str, Any]:
-    """Async scheduling off, then on (one engine each): W2 for both models, W1 for SmolLM2 shapes, then the greedy
-    float32 identity on SmolLM2 shapes (8 prompts of :func:`w1_prompts`, 32 tokens; 8 with ``--smoke``)."""
-    from kilat import LLM, SamplingParams
+    """Async scheduling off, then on (one engine each, as the kilat sections build it): W2 for both models, W1 (as
+    the kilat sections run it) for SmolLM2 shapes, then the greedy float32 identity on SmolLM2 shapes (8 prompts of
+    :func:`w1_prompts`, 32 tokens; 8 with ``--smoke``)."""
+    from kilat import SamplingParams
 
     result: dict[str, Any] = {}
     for model in MODELS:
         runs = {}
         for mode in ("off", "on"):
-            llm = LLM(model_name(args, model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                      max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=8192,
-                      async_scheduling=mode == "on", **(SMOKE_ENGINE_KWARGS if args.smoke else {}))
+            llm = dummy_engine(args, model, async_scheduling=mode == "on")
             run: dict[str, Any] = {"w2": w2_decode(llm.engine, args.w2_input_len, args.w2_output_len, args.w2_iters)}
             if model == "smollm2-135m":
-                prompts = w1_prompts(args, llm.engine.hf_config.vocab_size)
-                params = SamplingParams(temperature=0, max_tokens=args.w1_output_len, ignore_eos=True)
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                run["w1"] = {"output_tokens": tokens, "output_tokens_per_s": tokens / (time.perf_counter() - start)}
+                run["w1"] = kilat_w1(args, llm)
             runs[mode] = run
             llm.shutdown()
             del llm
@@ -542,8 +555,7 @@ def section_async(args: argparse.Namespace) -> dict[str, Any]:
         result[model] = {**runs, "w2_on_vs_off": on / off}
     tokens = {}
     for mode in ("off", "on"):
-        llm = LLM(model_name(args, "smollm2-135m"), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
-                  max_model_len=1024, async_scheduling=mode == "on", **(SMOKE_ENGINE_KWARGS if args.smoke else {}))
+        llm = dummy_engine(args, "smollm2-135m", "float32", async_scheduling=mode == "on")
         params = SamplingParams(temperature=0, max_tokens=8 if args.smoke else 32, ignore_eos=True)
         outs = llm.generate(w1_prompts(args, llm.engine.hf_config.vocab_size)[:8], params, use_tqdm=False)
         tokens[mode] = [o.outputs[0].token_ids for o in outs]

@@ -36,7 +36,6 @@ import json
 import pickle
 import random
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -44,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_w1_w2 import git_commit
 
 from kilat import LLM, SamplingParams
 from kilat.bench.quality import machine_info
 from kilat.core.core_process import EngineCoreOutputs
 
-ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("schedule", "prepare", "forward", "logits", "sample", "update", "outputs", "serialize", "frontend")
 
 
@@ -164,7 +163,7 @@ def main() -> None:
     fakes = {"model": [False], "stand-in": [True], "both": [False, True]}[args.forward]
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     rows = [measure(args, n, fake, mode) for fake in fakes for n in args.running for mode in modes]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit, _ = git_commit()
     result = {"benchmark": "step_overhead", "commit": commit, "machine": machine_info(),
               "threads": torch.get_num_threads(),
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1 GGUF", "dtype": args.dtype,

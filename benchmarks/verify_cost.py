@@ -17,11 +17,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from bench_w1_w2 import git_commit
 
 from kilat import LLM
 from kilat.bench.quality import machine_info
@@ -65,10 +65,7 @@ def main() -> None:
     for row in rows:
         row["vs_one"] = round(row["forward_ms"] / base, 2)
         print(f"{row['positions']:3d} positions: {row['forward_ms']:8.2f} ms  ({row['vs_one']:.2f}x one)")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip())
+    commit, dirty = git_commit()
     result = {"benchmark": "verify_cost", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit,
               "dirty": dirty, "machine": machine_info(), "threads": torch.get_num_threads(),
               "model": "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,

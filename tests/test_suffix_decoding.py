@@ -13,7 +13,8 @@ import pytest
 
 from kilat import LLM, SamplingParams
 from kilat.config import SpeculativeConfig
-from kilat.spec_decode.suffix import END, SuffixCache, SuffixProposer, follow, longest_match
+from kilat.spec_decode.ngram import longest_match
+from kilat.spec_decode.suffix import END, SuffixCache, SuffixProposer, follow
 from tests.request_states import make_state
 from tests.test_step_contract import PROMPTS, contract_engine_kwargs, generate_mixed
 

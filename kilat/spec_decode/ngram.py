@@ -18,6 +18,35 @@ if TYPE_CHECKING:
     from kilat.model_executor.request_state import CachedRequestState
 
 
+def longest_match(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_depth: int, first: int = 0
+                  ) -> tuple[np.ndarray, int]:
+    """The end positions in ``tokens`` of the longest suffix of ``pattern`` (up to ``max_depth`` tokens) that
+    occurs there, and its length (prompt lookup's match, and suffix decoding's: :mod:`kilat.spec_decode.suffix`).
+
+    Args:
+        tokens: int ``[N]``, the source.
+        ends: int ``[M]``, the candidate end positions: where ``tokens`` holds ``pattern[-1]`` (at ``first`` or
+            later).
+        pattern: int ``[P]``, ``P >= 1``.
+        max_depth: the longest suffix tried.
+        first: the source's first valid position (no match starts before it).
+
+    Returns:
+        ``(ends, length)``: the positions where the matched suffix ends and its length in tokens (``ends`` empty,
+        length 0, when ``pattern[-1]`` does not occur).
+    """
+    if ends.size == 0:
+        return ends, 0
+    best, length = ends, 1
+    for n in range(2, min(max_depth, pattern.size) + 1):
+        ends = ends[ends >= first + n - 1]
+        ends = ends[tokens[ends - (n - 1)] == pattern[-n]]
+        if ends.size == 0:
+            break
+        best, length = ends, n
+    return best, length
+
+
 def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """Draft up to ``num_tokens`` tokens by prompt lookup.
 
@@ -39,18 +68,10 @@ def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) 
     if num_tokens <= 0 or last < min_n:
         return []
     tokens = np.asarray(token_ids)
-    ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier occurrences of the last token
-    best = ends if min_n <= 1 else ends[:0]
-    for n in range(2, max_n + 1):
-        ends = ends[ends >= n - 1]
-        ends = ends[tokens[ends - (n - 1)] == tokens[last - (n - 1)]]
-        if ends.size == 0:
-            break
-        if n >= min_n:
-            best = ends
-    if best.size == 0:
+    ends, length = longest_match(tokens, np.flatnonzero(tokens[:last] == tokens[last]), tokens, max_n)
+    if length < min_n:
         return []
-    start = int(best[-1]) + 1
+    start = int(ends[-1]) + 1
     return tokens[start:start + num_tokens].tolist()
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kilat.config import SpeculativeConfig
+from kilat.spec_decode.ngram import longest_match
 from kilat.spec_decode.proposer import num_draft_slots
 
 if TYPE_CHECKING:
@@ -37,35 +38,6 @@ if TYPE_CHECKING:
 
 END = -1
 """The token that follows each output in the global cache: no match or draft runs from one output into the next."""
-
-
-def longest_match(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_depth: int, first: int = 0
-                  ) -> tuple[np.ndarray, int]:
-    """The end positions in ``tokens`` of the longest suffix of ``pattern`` (up to ``max_depth`` tokens) that
-    occurs there, and its length.
-
-    Args:
-        tokens: int ``[N]``, the source.
-        ends: int ``[M]``, the candidate end positions: where ``tokens`` holds ``pattern[-1]`` (at ``first`` or
-            later).
-        pattern: int ``[P]``, ``P >= 1``.
-        max_depth: the longest suffix tried.
-        first: the source's first valid position (no match starts before it).
-
-    Returns:
-        ``(ends, length)``: the positions where the matched suffix ends and its length in tokens (``ends`` empty,
-        length 0, when ``pattern[-1]`` does not occur).
-    """
-    if ends.size == 0:
-        return ends, 0
-    best, length = ends, 1
-    for n in range(2, min(max_depth, pattern.size) + 1):
-        ends = ends[ends >= first + n - 1]
-        ends = ends[tokens[ends - (n - 1)] == pattern[-n]]
-        if ends.size == 0:
-            break
-        best, length = ends, n
-    return best, length
 
 
 def follow(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
@@ -101,6 +73,16 @@ def follow(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: floa
         expected += reach
         pos = pos[following == values[top]] + 1
     return drafts, expected
+
+
+def draft_from(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_depth: int, max_tokens: int,
+               min_prob: float, max_spec_factor: float, first: int = 0) -> tuple[list[int], float]:
+    """Steps 1-3 of the module docs over one source: match the longest suffix of ``pattern`` among the candidate
+    ends (:func:`~kilat.spec_decode.ngram.longest_match`), then draft at most ``max_spec_factor`` × its length (and
+    ``max_tokens``) tokens from its continuations (:func:`follow`). Returns the drafts and their expected accepted
+    length."""
+    ends, length = longest_match(tokens, ends, pattern, max_depth, first)
+    return follow(tokens, ends, min(max_tokens, int(max_spec_factor * length)), min_prob)
 
 
 class SuffixCache:
@@ -162,8 +144,7 @@ class SuffixCache:
         ends = np.frombuffer(where, dtype=np.int64)
         ends = ends[np.searchsorted(ends, self.first):]
         tokens = np.frombuffer(self._tokens, dtype=np.int64)
-        ends, length = longest_match(tokens, ends, pattern, max_depth, self.first)
-        return follow(tokens, ends, min(max_tokens, int(max_spec_factor * length)), min_prob)
+        return draft_from(tokens, ends, pattern, max_depth, max_tokens, min_prob, max_spec_factor, self.first)
 
 
 class SuffixProposer:
@@ -199,8 +180,8 @@ class SuffixProposer:
             tokens = np.asarray(request.all_token_ids, dtype=np.int64)
             pattern = tokens[-depth:]
             last = tokens.size - 1
-            ends, length = longest_match(tokens, np.flatnonzero(tokens[:last] == tokens[last]), pattern, depth)
-            own = follow(tokens, ends, min(num_slots, int(factor * length)), min_prob)
+            own = draft_from(tokens, np.flatnonzero(tokens[:last] == tokens[last]), pattern, depth, num_slots,
+                             min_prob, factor)
             other = self.cache.draft(pattern, depth, num_slots, min_prob, factor)
             request.spec_token_ids = own[0] if own[1] >= other[1] else other[0]
 
