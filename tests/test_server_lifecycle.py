@@ -96,20 +96,27 @@ def _kill_mid_stream(server: Server, pid: int | None = None) -> list[str]:
     return lines
 
 
-def _slow_share(server: Server) -> float:
+def _slow_share(server: Server, tries: int = 3) -> float:
     """The share of a greedy 128-token stream's time (first SSE chunk to last) spent in gaps of 0.9 s or more
-    between chunks. A frontend that hears of core outputs only at its 1 s poll timeout gets them in bursts
-    about a second apart: nearly all of its stream's time lies in such gaps. A healthy one has none, unless
-    the machine stalls now and then (a few gaps, a small share)."""
+    between chunks, the least of up to `tries` streams (it stops at one with no such gap). A frontend that
+    hears of core outputs only at its 1 s poll timeout gets them in bursts about a second apart: nearly all of
+    every stream's time lies in such gaps. A healthy one has none, unless the shared machine stalls: one
+    stall of a second in a stream of about a second is half its time, so one stream alone cannot tell the
+    two apart, while three in a row that stall are unlikely."""
     body = {"prompt": "Hello", "max_tokens": 128, "ignore_eos": True, "temperature": 0, "stream": True}
-    times = []
-    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=300) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines(decode_unicode=True):
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    return sum(g for g in gaps if g >= 0.9) / sum(gaps)
+    shares = []
+    for _ in range(tries):
+        times = []
+        with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=300) as r:
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        shares.append(sum(g for g in gaps if g >= 0.9) / sum(gaps))
+        if shares[-1] == 0:
+            break
+    return min(shares)
 
 
 def _wait_health(server: Server, status: int) -> None:
