@@ -8,9 +8,11 @@ block size 16), in one process so that the backends are compared under the same 
   per step and so timed separately in ``metadata_us``) for the steps of the peer workloads (docs/benchmarks.md):
   ``decode_b64`` (64 decodes at W1's context lengths, U[32, 256] prompt + up to 128 generated), ``w3_extend`` (8
   requests, 32 new tokens each over a cached 512-token prefix), ``prefill_544`` (W3's first prompt of a group),
-  ``prefill_256``, ``w4_chunk`` (W4's 2,000-token prompt, one chunk), and ``mixed`` (56 decodes + a 256-token
-  prefill chunk), in bfloat16 and float32. Each reports the median microseconds per call, GFLOP/s (causal
-  attention FLOPs: 4 * heads * head_dim per query-key pair seen) and the torch / cpu ratio.
+  ``prefill_256``, ``w4_chunk`` (W4's 2,000-token prompt, one chunk), ``mixed`` (56 decodes + a 256-token
+  prefill chunk) and ``verify_k1`` .. ``verify_k16`` (one speculative verification span of 1 + k tokens after a
+  512-token context), in bfloat16 and float32 (``--workloads`` picks some). Each reports the median microseconds
+  per call, GFLOP/s (causal attention FLOPs: 4 * heads * head_dim per query-key pair seen) and the torch / cpu
+  ratio.
 - ``step``: a batch-64 decode step of the whole engine (default flags, ``max_num_seqs=64``, greedy, EOS ignored), W1's
   prompt lengths: 64 requests run to 128 output tokens with each backend in turn; for the decode-only steps of
   all 64 requests, the median step time (``ModelRunner.execute``, sampling included) and the shares of it spent in
@@ -58,6 +60,8 @@ def workloads(seed: int) -> dict[str, tuple[list[int], list[int]]]:
         "prefill_256": ([256], [256]),
         "w4_chunk": ([2000], [2000]),
         "mixed": ([1] * 56 + [256], w1[:56] + [256]),
+        # speculative verification spans of 1 + k tokens after a 512-token context (benchmarks/verify_cost.py)
+        **{f"verify_k{k}": ([1 + k], [513 + k]) for k in (1, 4, 8, 16)},
     }
 
 
@@ -83,11 +87,13 @@ def attention_flops(query_lens: list[int], seq_lens: list[int]) -> float:
     return 4.0 * HEADS * HEAD_DIM * pairs
 
 
-def bench_kernels(budget_s: float, seed: int) -> dict[str, Any]:
-    """The ``kernels`` part: per workload and dtype, each backend's µs per layer call."""
+def bench_kernels(budget_s: float, seed: int, names: list[str] | None = None) -> dict[str, Any]:
+    """The ``kernels`` part: per workload (``names``, default all) and dtype, each backend's µs per layer call."""
     results: dict[str, Any] = {}
     g = torch.Generator().manual_seed(seed)
     for name, (query_lens, seq_lens) in workloads(seed).items():
+        if names is not None and name not in names:
+            continue
         blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
         perm = torch.randperm(sum(blocks) + 1, generator=g).tolist()
         tables, i = [], 0
@@ -187,6 +193,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request in the step part")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default=None, help="comma-separated kernels workloads (default: all)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,7 +206,8 @@ def main() -> None:
                                         "block_size": BLOCK_SIZE}}
     parts = args.parts.split(",")
     if "kernels" in parts:
-        result["kernels"] = bench_kernels(args.budget, args.seed)
+        result["kernels"] = bench_kernels(args.budget, args.seed,
+                                          args.workloads.split(",") if args.workloads else None)
     if "step" in parts:
         os.environ["KILAT_CPU_DECODER"] = "torch"
         result["step"] = {}

@@ -6,7 +6,9 @@ The offline engine's runner (the worker in this process) computes the KV of ``--
 the cache's first blocks, then times ``runner.model.forward`` alone (no sampling) for each number of positions:
 ``--iters`` calls after 3 warm-ups, medians in milliseconds, the KV written at the positions after the context
 each time (the same slots, so every call sees the same context). Speculative decoding with k drafts pays when its
-mean acceptance length beats ``cost[1 + k] / cost[1]`` (docs/speculative_decoding.md). Writes ``--out`` (JSON).
+mean acceptance length beats ``cost[1 + k] / cost[1]`` (docs/speculative_decoding.md). With ``--profile`` it then
+runs the calls once more under torch's profiler and records, per number of positions, each op's self time in
+milliseconds per forward (the ops that take at least 1% of it). Writes ``--out`` (JSON).
 
     python benchmarks/verify_cost.py --out benchmarks/results/2026-12-07-verify-cost.json
 """
@@ -14,10 +16,12 @@ mean acceptance length beats ``cost[1 + k] / cost[1]`` (docs/speculative_decodin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,11 +35,24 @@ from kilat.model_executor.forward_context import set_forward_context
 POSITIONS = (1, 2, 3, 5, 9, 17)
 
 
+def profile_ops(forward: Callable[[], object], iters: int) -> dict[str, float]:
+    """Each op's self CPU time in ms per ``forward()`` over ``iters`` calls under torch's profiler (the ops with at
+    least 1% of the total, costliest first)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            forward()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return {e.key: round(e.self_cpu_time_total / iters / 1e3, 3)
+            for e in events if e.self_cpu_time_total >= total / 100}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="also record each op's self time per forward")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=args.context + 64, enable_prefix_caching=False)
@@ -60,7 +77,10 @@ def main() -> None:
                     runner.model(ids, pos)
                     if i >= 3:
                         times.append((time.perf_counter() - start) * 1e3)
-            rows.append({"positions": n, "forward_ms": round(statistics.median(times), 3)})
+                row = {"positions": n, "forward_ms": round(statistics.median(times), 3)}
+                if args.profile:
+                    row["self_ms_per_forward"] = profile_ops(functools.partial(runner.model, ids, pos), args.iters)
+            rows.append(row)
     base = rows[0]["forward_ms"]
     for row in rows:
         row["vs_one"] = round(row["forward_ms"] / base, 2)

@@ -169,6 +169,39 @@ def test_bfloat16_steps_are_the_oracle_rounded_once(ops, case: str, window: int 
                        tolerance=(1e-5, 2.0 ** -7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("query_lens,seq_lens,window", [([5], [600], None), ([2, 9], [517, 700], None),
+                                                        ([5, 1], [600, 300], 200), ([17], [140], None)])
+def test_verification_spans_split_across_threads(ops, query_lens: list[int], seq_lens: list[int], window: int | None,
+                                                 threads: int, dtype: torch.dtype) -> None:
+    """Speculative verification spans (1 + k tokens over a long context, with a decode beside one) in the default
+    model's shape (9 query heads, 3 KV heads, head_dim 64): their few spans share out badly over the threads, so
+    each span's keys are split and merged by log-sum-exp (a window's keys only; 140 keys are too few to split).
+    Matches the float64 oracle (bfloat16: within one unit in the last place of it rounded, as unsplit), and the op
+    on one thread (unsplit) to float32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    kv_cache, tables, full_k, full_v = paged_contexts(seq_lens, query_lens, 3, 64, dtype, BLOCK_SIZE, g)
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
+    query = torch.randn(sum(query_lens), 9, 64, generator=g).to(dtype)
+    key = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
+    value = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
+    write_kv(kv_cache, key, value, md.slot_mapping)
+    out, serial = run_op(threads, query, kv_cache, md, 0.125, window), run_op(1, query, kv_cache, md, 0.125, window)
+    starts = md.query_start_loc.tolist()
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        expected = naive_attention(query[starts[r]:starts[r + 1]], full_k[r], full_v[r], s - q, 0.125, window)
+        got = out[starts[r]:starts[r + 1]]
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), expected.to(dtype).float(), atol=1e-5, rtol=2.0 ** -7)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, serial, atol=1e-6, rtol=1e-6)
+    else:  # one rounding to bfloat16 of float32 results that agree as above
+        torch.testing.assert_close(out.float(), serial.float(), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_extend_spans_independent_of_threads(ops, threads: int) -> None:
     """A 2,000-token prompt chunk and a 100-token extend over 900 cached tokens, in spans shared out from one

@@ -1,7 +1,7 @@
-"""The fused CPU decoder layer (``kilat/csrc/cpu_decoder.cpp``) against the layer's Python forward: on decode steps
-of every Llama-family variant (GQA/MQA, biases, sliding window, q/k norm) with packed int4/int8 weights, in
-bfloat16, float16 and float32, logits and the written KV cache are bit for bit the same; the embedded GGUF; a model
-whose layers fuse only in part."""
+"""The fused CPU decoder layer (``kilat/csrc/cpu_decoder.cpp``) against the layer's Python forward: on prefill,
+decode, verification-span and mixed steps of every Llama-family variant (GQA/MQA, biases, sliding window, q/k norm)
+with packed int4/int8 weights, in bfloat16, float16 and float32, logits and the written KV cache are bit for bit the
+same; the embedded GGUF; a model whose layers fuse only in part."""
 
 from __future__ import annotations
 
@@ -45,27 +45,38 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
-def _run(model: torch.nn.Module, fused: bool | int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Two prompts (11 and 4 tokens), then 12 decode steps of both (contexts past the sliding window of 8 and across
-    blocks of 4): the decode steps' logits and the final KV caches. ``fused``: every layer's fused op, none, or
-    (an int) only layer ``fused``'s."""
+# The steps _run drives: (request, first token, last token) chunks of the two sequences (23 and 40 tokens).
+STEPS = [[(0, 0, 11), (1, 0, 4)]]  # both prompts' first chunks
+STEPS += [[(0, 11 + i, 12 + i), (1, 4 + i, 5 + i)] for i in range(8)]  # decodes past the window of 8, across blocks
+STEPS += [[(0, 19, 21), (1, 12, 17)],  # verification-like spans of 2 and 5 tokens (1 + k drafts)
+          [(1, 17, 18), (0, 21, 23)],  # a decode, then a span
+          [(1, 18, 40)]]  # a 22-token prefill chunk over a cached context, alone
+
+
+def _run(model: torch.nn.Module, fused: bool | int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:data:`STEPS` through ``model``: every step's logits (of every new token) and the final KV caches.
+    ``fused``: every layer's fused op, none, or (an int) only layer ``fused``'s."""
     saved = [layer.fused for layer in model.model.layers]
     for i, layer in enumerate(model.model.layers):
         if fused is False or (fused is not True and i != fused):
             layer.fused = None
     try:
         g = torch.Generator().manual_seed(2)
-        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 16)]
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 40)]
         runner = _Sequences(model, [len(s) for s in seqs], block_size=4, backend="cpu")  # the kernels it calls
-        runner.step([(0, seqs[0][:11], 0), (1, seqs[1][:4], 0)])
-        logits = []
-        for i in range(12):
-            out = runner.step([(0, seqs[0][11 + i:12 + i], 11 + i), (1, seqs[1][4 + i:5 + i], 4 + i)])
-            logits.append(torch.stack([o[0] for o in out]))
-        return torch.stack(logits), runner.kv
+        logits = [torch.cat(runner.step([(r, seqs[r][a:b], a) for r, a, b in chunks])) for chunks in STEPS]
+        return logits, runner.kv
     finally:
         for layer, f in zip(model.model.layers, saved, strict=True):
             layer.fused = f
+
+
+def _assert_equal(a: tuple[list[torch.Tensor], list[torch.Tensor]],
+                  b: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    """Two :func:`_run` results bit for bit the same (every step's logits, every layer's cache)."""
+    assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in a[0])
+    for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -77,32 +88,22 @@ def test_fused_decode_equals_python_forward(checkpoint: Path, quantization: str,
     calls = []
     call = FusedDecoderLayer.__call__
     monkeypatch.setattr(FusedDecoderLayer, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
-    fused_logits, fused_kv = _run(model, fused=True)
-    assert len(calls) == 12 * model.num_layers  # every decode step, never the prefill
-    python_logits, python_kv = _run(model, fused=False)
-    assert torch.isfinite(fused_logits).all() and fused_logits.abs().max() > 0
-    assert torch.equal(fused_logits, python_logits)
-    for a, b in zip(fused_kv, python_kv, strict=True):
-        assert torch.equal(a, b)
+    fused = _run(model, fused=True)
+    assert len(calls) == len(STEPS) * model.num_layers  # every step: decodes, spans, prefill chunks
+    _assert_equal(fused, _run(model, fused=False))
 
 
 def test_fused_and_python_layers_mix(checkpoint: Path) -> None:
     """A model whose layers do not all fuse (a multi-part or act-order projection) fuses the others, same results."""
     model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype="bfloat16", quantization="int4"), "cpu")
-    mixed_logits, mixed_kv = _run(model, fused=1)
-    python_logits, python_kv = _run(model, fused=False)
-    assert torch.equal(mixed_logits, python_logits)
-    assert all(torch.equal(a, b) for a, b in zip(mixed_kv, python_kv, strict=True))
+    _assert_equal(_run(model, fused=1), _run(model, fused=False))
 
 
 def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
     """The default served model (its Q4_1 GGUF in bfloat16): every layer fused, the same logits and cache."""
     model, _, _ = get_model(ModelConfig(), "cpu")
     assert all(layer.fused is not None for layer in model.model.layers)
-    fused_logits, fused_kv = _run(model, fused=True)
-    python_logits, python_kv = _run(model, fused=False)
-    assert torch.equal(fused_logits, python_logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_kv, python_kv, strict=True))
+    _assert_equal(_run(model, fused=True), _run(model, fused=False))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -117,10 +118,7 @@ def test_dense_weights_fuse_where_packed_for_bf16_kernels(checkpoint: Path, dtyp
     assert (layer0 is not None and layer0.bits == 16) == packs
     if packs:
         assert all(layer.fused is not None for layer in model.model.layers)
-        fused_logits, fused_kv = _run(model, fused=True)
-        python_logits, python_kv = _run(model, fused=False)
-        assert torch.isfinite(fused_logits).all() and torch.equal(fused_logits, python_logits)
-        assert all(torch.equal(a, b) for a, b in zip(fused_kv, python_kv, strict=True))
+        _assert_equal(_run(model, fused=True), _run(model, fused=False))
     else:
         assert all(layer.fused is None for layer in model.model.layers)
 

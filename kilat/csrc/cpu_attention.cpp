@@ -7,8 +7,9 @@
 // When the items share out badly over the threads (e.g. one decode's 3 KV heads on 2 threads) and the context is
 // long enough, each item's keys are split across threads (flash-decoding, see num_splits) and the partial results
 // merged by their log-sum-exp.
-// Extends (requests with several new tokens: prefill chunks, over a cached prefix or not): spans of tokens of one
-// request and KV head (run_extends), each row seeing only the keys its token does (causal, sliding window).
+// Extends (requests with several new tokens: prefill chunks, over a cached prefix or not, verification spans): spans
+// of tokens of one request and KV head (run_extends), each row seeing only the keys its token does (causal, sliding
+// window); spans too few for the threads have their keys split as the decodes' are.
 // Keys go in tiles of kTile with an online softmax (FlashAttention-2, Dao 2023): scores, softmax and the weighted V
 // sum in float32, the output rounded once to the query dtype. AVX-512 (or AVX2 with FMA and F16C) for the row
 // conversions, dot products, exponentials and V sums where compiled in, portable loops otherwise (same arithmetic up
@@ -464,6 +465,21 @@ inline Vec vload_row(const T* p) { return load8(p); }
 inline float vsum(Vec v) { return hsum8(v); }
 #endif
 
+// Prefetch the key and value rows of keys [from, to) of span sp (a KV head's rows are strided in the cache, which
+// the hardware prefetchers follow slowly: see attend_rows).
+template <typename T>
+inline void prefetch_rows(const Problem& p, const T* cache, const Span& sp, int64_t from, int64_t to) {
+  for (int64_t j = from; j < to; ++j) {
+    const T* row = cache + p.key_row(sp.r, sp.h, j);
+    const char* k = reinterpret_cast<const char*>(row);
+    const char* v = reinterpret_cast<const char*>(row + p.values);
+    for (int64_t b = 0; b < p.dim * static_cast<int64_t>(sizeof(T)); b += 64) {
+      _mm_prefetch(k + b, _MM_HINT_T0);
+      _mm_prefetch(v + b, _MM_HINT_T0);
+    }
+  }
+}
+
 // attend() for a decode (one token, which sees every key of [begin, end)) with G query heads per KV head (G <= 4 on
 // AVX-512, <= 3 on AVX2's 16 registers), head_dim a multiple of 16 and the cache in the model dtype, without attend's
 // float32 copies of each tile's K and V rows (on AVX2 CPUs those conversions and stores took about half the time):
@@ -486,15 +502,7 @@ __attribute__((noinline)) void attend_rows(const Problem& p, const T* cache, con
       krow[j] = cache + p.key_row(sp.r, sp.h, t0 + j);
       vrow[j] = krow[j] + p.values;
     }
-    for (int64_t j = t0 + kTile; j < std::min(end, t0 + 2 * kTile); ++j) {
-      const T* row = cache + p.key_row(sp.r, sp.h, j);
-      const char* k = reinterpret_cast<const char*>(row);
-      const char* v = reinterpret_cast<const char*>(row + p.values);
-      for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
-        _mm_prefetch(k + b, _MM_HINT_T0);
-        _mm_prefetch(v + b, _MM_HINT_T0);
-      }
-    }
+    prefetch_rows(p, cache, sp, t0 + kTile, std::min(end, t0 + 2 * kTile));
     float* s = sc.s.data();  // [G, kTile]
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
@@ -674,6 +682,7 @@ __attribute__((noinline)) void attend_tile_bf16(const Problem& p, const c10::BFl
       krow[j] = reinterpret_cast<const int32_t*>(cache + row);
       if (j < n) to_float(cache + row + p.values, &sc.v[j * dim], dim);
     }
+    prefetch_rows(p, cache, sp, t0 + kTile, std::min(end, t0 + 2 * kTile));
     for (int64_t g = 0; g < groups; ++g) {
       __m512 s[kTile];
 #pragma GCC unroll 16
@@ -791,16 +800,15 @@ void finish(const Problem& p, float* parts, int64_t n_parts, const Span& sp, T* 
   }
 }
 
-// Splits per decode item. Tasks go to threads in contiguous runs of ceil(tasks / threads), so unsplit items take
-// ceil(items / threads) item-times: 3 items on 2 threads take 2, one thread idle half of it. Splitting each item's keys
-// in s parts takes ceil(items * s / threads) / s (1.5 for 3 items in halves). Take the smallest s <= threads that
-// minimises it, with parts of the longest context at least kSplitMinChunk keys, and only when it saves more than 1/20:
-// splitting costs about that much (partial tiles, merges; and a thread left alone runs faster than two together). On
-// 2 threads, 15 and 21 items in halves gain 1/16 and 1/22 in theory, measured about 2% and -1%; 3 items, 1/4 and 15%.
-int64_t num_splits(const Problem& p, const std::vector<int64_t>& decodes) {
-  const int64_t threads = at::get_num_threads(), items = static_cast<int64_t>(decodes.size()) * p.kv_heads;
-  int64_t longest = 0;
-  for (const int64_t r : decodes) longest = std::max<int64_t>(longest, p.seq_lens[r] - p.first_key(p.seq_lens[r] - 1));
+// Splits per work item: `items` items (decodes' KV heads, or extend spans), each of at most `longest` keys. Tasks go to
+// threads in contiguous runs of ceil(tasks / threads), so unsplit items take ceil(items / threads) item-times: 3 items
+// on 2 threads take 2, one thread idle half of it. Splitting each item's keys in s parts takes ceil(items * s /
+// threads) / s (1.5 for 3 items in halves). Take the smallest s <= threads that minimises it, with parts of the
+// longest at least kSplitMinChunk keys, and only when it saves more than 1/20: splitting costs about that much
+// (partial tiles, merges; and a thread left alone runs faster than two together). On 2 threads, 15 and 21 decode
+// items in halves gain 1/16 and 1/22 in theory, measured about 2% and -1%; 3 items, 1/4 and 15%.
+int64_t num_splits(int64_t items, int64_t longest) {
+  const int64_t threads = at::get_num_threads();
   const auto units = [&](int64_t s) { return (items * s + threads - 1) / threads; };  // wall time, in 1/s items
   int64_t best = 1;
   for (int64_t s = 2; s <= std::min(threads, longest / kSplitMinChunk); ++s)
@@ -813,7 +821,10 @@ int64_t num_splits(const Problem& p, const std::vector<int64_t>& decodes) {
 // counter per item; acq_rel so that task sees the other splits' states), not in a second region.
 template <typename T>
 void run_decodes(const Problem& p, const std::vector<int64_t>& decodes, const T* query, const void* cache, T* out) {
-  const int64_t splits = num_splits(p, decodes), items = static_cast<int64_t>(decodes.size()) * p.kv_heads;
+  const int64_t items = static_cast<int64_t>(decodes.size()) * p.kv_heads;
+  int64_t longest = 0;
+  for (const int64_t r : decodes) longest = std::max<int64_t>(longest, p.seq_lens[r] - p.first_key(p.seq_lens[r] - 1));
+  const int64_t splits = num_splits(items, longest);
   const int64_t size = State::size(p, p.group);
   std::vector<float> states(items * splits * size);
   std::vector<std::atomic<int64_t>> done(splits > 1 ? items : 0);  // value-initialised: 0
@@ -833,42 +844,57 @@ void run_decodes(const Problem& p, const std::vector<int64_t>& decodes, const T*
   });
 }
 
-// The extends (requests with several new tokens: prefill chunks, over a cached context or not): spans of up to
-// kExtendRows / group tokens per KV head, costliest first (rows times keys seen), handed to the threads one at a time
-// from a shared counter, so that the long spans at the end of a causal prompt do not all land on one thread.
+// The extends (requests with several new tokens: prefill chunks over a cached context or not, verification spans):
+// spans of up to kExtendRows / group tokens per KV head, costliest first (rows times keys seen), handed to the threads
+// one at a time from a shared counter, so that the long spans at the end of a causal prompt do not all land on one
+// thread. Spans still too few for the threads (a short extend over a long context: a speculative verification of
+// 1 + k tokens) have their keys split as the decodes' (num_splits), the parts merged by the task that ends last.
 template <typename T>
 void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T* query, const void* cache, T* out) {
   // Tokens per span: kExtendRows / group (each key row read by fewer spans: one 2,000-token prompt ran 25% faster
-  // at 32 tokens than at 10), halved while the spans would be fewer than 4 per thread (to balance the threads).
+  // at 32 tokens than at 10), halved while the spans would be fewer than 4 per thread (to balance the threads), but
+  // not below one vector of rows where the rows are the vector lanes (attend_tile_bf16: a span of 5 tokens x 3 query
+  // heads costs what one of 1 token does; splitting its keys instead reads each key row once, not 3 times).
+  const int64_t threads = at::get_num_threads(), lanes = extends_in_bf16<T>(p) ? std::max<int64_t>(1, 16 / p.group) : 1;
   int64_t tokens = std::max<int64_t>(1, kExtendRows / p.group);
   const auto count = [&](int64_t per) {
     int64_t n = 0;
     for (const int64_t r : extends) n += (p.query_len(r) + per - 1) / per * p.kv_heads;
     return n;
   };
-  while (tokens > 1 && count(tokens) < 4 * at::get_num_threads()) tokens = (tokens + 1) / 2;
+  while (tokens > lanes && count(tokens) < 4 * threads) tokens = std::max(lanes, (tokens + 1) / 2);
   std::vector<std::pair<int64_t, Span>> spans;  // (cost, span)
+  int64_t longest = 0;  // keys of the span that sees the most
   for (const int64_t r : extends) {
     const int64_t ctx = p.context_len(r);
     for (int64_t t0 = 0; t0 < p.query_len(r); t0 += tokens) {
       const int64_t t1 = std::min(p.query_len(r), t0 + tokens);
       const int64_t cost = (t1 - t0) * (ctx + t1 - p.first_key(ctx + t0));
+      longest = std::max(longest, ctx + t1 - p.first_key(ctx + t0));
       for (int64_t h = 0; h < p.kv_heads; ++h) spans.push_back({cost, Span{r, h, t0, t1}});
     }
   }
   std::stable_sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  const int64_t n_spans = static_cast<int64_t>(spans.size());
+  const int64_t splits = num_splits(n_spans, longest), size = State::size(p, tokens * p.group);
+  std::vector<float> parts(splits > 1 ? n_spans * splits * size : 0);  // span i's split states from i * splits * size
+  std::vector<std::atomic<int64_t>> done(splits > 1 ? n_spans : 0);   // value-initialised: 0
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(spans.size()));
+  const int64_t workers = std::min(threads, n_spans * splits);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t rows = tokens * p.group;
-    Scratch sc(p, rows);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(spans.size());) {
+    Scratch sc(p, tokens * p.group);
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < n_spans * splits;) {
+      const int64_t i = task / splits, split = task % splits;
       const Span& sp = spans[i].second;
-      const int64_t ctx = p.context_len(sp.r);
+      const int64_t ctx = p.context_len(sp.r), begin = p.first_key(ctx + sp.t0), end = ctx + sp.t1;
+      const int64_t chunk = (end - begin + splits - 1) / splits;
+      const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
+      float* base = splits > 1 ? &parts[i * splits * size] : sc.state.data();
+      float* state = base + split * State::size(p, sp.rows(p));  // finish() steps through the parts by this size
       if (!extends_in_bf16<T>(p)) load_queries(p, query, sp, sc);
-      attend_extend<T>(p, query, cache, sp, p.first_key(ctx + sp.t0), ctx + sp.t1, sc,
-                       State(sc.state.data(), sp.rows(p)));
-      finish(p, sc.state.data(), 1, sp, out, sc.row.data());
+      attend_extend<T>(p, query, cache, sp, lo, hi, sc, State(state, sp.rows(p)));
+      if (splits == 1 || done[i].fetch_add(1, std::memory_order_acq_rel) == splits - 1)
+        finish(p, base, splits, sp, out, sc.row.data());
     }
   });
 }

@@ -1,10 +1,10 @@
 // One pre-norm decoder layer of the Llama family (grouped-query attention with rotary embeddings, SwiGLU MLP) for a
-// decode-only batch on the CPU, as one op. A batch-1 decode step of a small model is dominated by Python and
-// dispatch between a dozen small kernels per layer (docs/benchmarks.md, "Fused decoder layer"); this op runs the same
-// kernels in the same order from C++, so its results are bit for bit those of the Python path in
-// kilat/model_executor/models/llama.py (LlamaDecoderLayer.forward with the torch attention backend), which stays the
-// oracle and the fallback. The kernels are the other extensions' ops, called through the dispatcher (the libraries
-// are loaded first, kilat/model_executor/native.py):
+// small step on the CPU (decodes, verification spans, short prefill chunks), as one op. A batch-1 decode step of a
+// small model is dominated by Python and dispatch between a dozen small kernels per layer (docs/benchmarks.md,
+// "Fused decoder layer"); this op runs the same kernels in the same order from C++, so its results are bit for bit
+// those of the Python path in kilat/model_executor/models/llama.py (LlamaDecoderLayer.forward with the cpu attention
+// backend), which stays the oracle and the fallback. The kernels are the other extensions' ops, called through the
+// dispatcher (the libraries are loaded first, kilat/model_executor/native.py):
 //   kilat_cpu_<isa>::rms_norm / add_rms_norm / rotary / silu_and_mul (cpu_layers.cpp), kilat_quant_<isa>::gemm
 //   (quant_gemm.cpp), kilat_cpu_attn_<isa>::paged_attention (cpu_attention.cpp), all of the same ISA level (<isa>,
 //   kilat_library.h); only the KV write (a row copy per token) is done here.
@@ -12,15 +12,16 @@
 // Op (namespace kilat_cpu_decoder_<isa>):
 //   decoder_layer(x [T, hidden], residual [T, hidden]?, norms, eps, weights, quant, biases, cos [T, 1, hd],
 //                 sin [T, 1, hd], kv_cache [2, blocks, block_size, kvh, hd], slot_mapping int64 [T],
-//                 block_table int32 [T, nb], seq_lens int32 [T], query_start_loc int32 [T + 1], num_heads, scale,
+//                 block_table int32 [R, nb], seq_lens int32 [R], query_start_loc int32 [R + 1], num_heads, scale,
 //                 sliding_window)
 //     -> (mlp output [T, hidden], residual [T, hidden])
 //   norms: [input_layernorm, post_attention_layernorm] weights, then [q_norm, k_norm] for per-head q/k RMSNorm;
 //   weights: (qweight, scales) of qkv_proj, o_proj, gate_up_proj, down_proj in that order (the packed layout of
 //   kilat/model_executor/layers/quantization/kernels.py); quant: (bits, group_size, N, K) of each, same order;
 //   biases: one optional bias per projection. Without `residual` (the first layer) the residual is x itself.
-//   Token t is a decode at position seq_lens[t] - 1 whose key and value go to slot slot_mapping[t]
-//   (block * block_size + offset) before it attends its context.
+//   The T tokens are those of R requests, request r's at query_start_loc[r] .. query_start_loc[r + 1] - 1, the last
+//   positions of its seq_lens[r] (paged_attention's convention); token t's key and value go to slot slot_mapping[t]
+//   (block * block_size + offset) before the step's tokens attend their contexts.
 //   ready() -> whether the kernels it calls are registered with the signatures it uses.
 
 #include <ATen/core/Tensor.h>

@@ -1,9 +1,9 @@
 """Model building blocks: linear layers whole or tensor-parallel (with their quantization methods), rotary
-embedding, RMSNorm, SiLU-and-mul, the vocabulary-parallel embedding and LM head, the fused CPU decode layer."""
+embedding, RMSNorm, SiLU-and-mul, the vocabulary-parallel embedding and LM head, the fused CPU decoder layer."""
 
 from kilat.model_executor.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from kilat.model_executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kilat.model_executor.layers.fused_decoder import DecodeBatch, FusedDecoderLayer, decode_batch
+from kilat.model_executor.layers.fused_decoder import FusedDecoderLayer, FusedStep, fused_step
 from kilat.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kilat.model_executor.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
 from kilat.model_executor.layers.quantization import QuantizationConfig, can_pack
@@ -12,8 +12,8 @@ from kilat.model_executor.layers.weights import process_weights_after_loading
 
 __all__ = [
     "ColumnParallelLinear",
-    "DecodeBatch",
     "FusedDecoderLayer",
+    "FusedStep",
     "GemmaRMSNorm",
     "Linear",
     "ParallelLMHead",
@@ -25,7 +25,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_rotary",
     "can_pack",
-    "decode_batch",
+    "fused_step",
     "gelu_tanh_and_mul",
     "process_weights_after_loading",
     "rope_inv_freq",

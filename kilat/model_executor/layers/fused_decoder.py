@@ -1,15 +1,17 @@
-"""A whole pre-norm decoder layer as one C++ op for decode-only CPU steps (``kilat/csrc/cpu_decoder.cpp``).
+"""A whole pre-norm decoder layer as one C++ op for small CPU steps (``kilat/csrc/cpu_decoder.cpp``).
 
 A batch-1 decode step of a small model on the CPU is dominated by Python and dispatch between a dozen small
-kernels per layer (docs/benchmarks.md, "Fused decoder layer"). :class:`FusedDecoderLayer` hands one layer's weights
+kernels per layer (docs/benchmarks.md, "Fused decoder layer"); so is a speculative-decoding verification step of a
+few tokens, or a step of a few decodes and a short prefill chunk. :class:`FusedDecoderLayer` hands one layer's weights
 to ``torch.ops.kilat_cpu_decoder_<isa>.decoder_layer``, which calls the same kernels in the same order from C++
-(RMSNorm, the packed quantized matmuls, rotary, the KV write, paged decode attention, SiLU-and-mul), so its outputs
+(RMSNorm, the packed quantized matmuls, rotary, the KV write, paged attention, SiLU-and-mul), so its outputs
 are bit for bit those of the layer's Python forward. It applies only where that forward would run exactly those
 kernels: every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the
-CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step of decodes only (fewer than
-``DENSE_MIN_M``), a KV cache in the model dtype and the ``cpu`` attention backend (whose ``paged_attention`` it
-calls). Everything else (prefill chunks, other dense weights, act-order or multi-part weights, CUDA,
-``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.
+CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step of fewer than
+``DENSE_MIN_M`` tokens (any mix of decodes, verification spans and prefill chunks: the ``cpu`` backend runs them
+all in one ``paged_attention`` call, as the op does), a KV cache in the model dtype and that backend. Everything
+else (longer steps, whose matmuls may take a dense path, other dense weights, act-order or multi-part weights,
+CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ from kilat.model_executor.native import load_extension
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """What the fused op reads of a decode-only step: the step's
-    :class:`~kilat.model_executor.attention.AttentionMetadata` tensors, in batch order.
+class FusedStep:
+    """What the fused op reads of a step: the step's :class:`~kilat.model_executor.attention.AttentionMetadata`
+    tensors, in batch order (``T`` tokens of ``R`` requests).
 
     Attributes:
         slot_mapping: int64 ``[T]``, the cache slot of each token's key and value.
-        block_table: int32 ``[T, max_blocks]``, each decode's KV block ids.
-        seq_lens: int32 ``[T]``, each decode's context including its new token.
-        query_start_loc: int32 ``[T + 1]`` (``0, 1, ..., T``: one token per decode).
+        block_table: int32 ``[R, max_blocks]``, each request's KV block ids.
+        seq_lens: int32 ``[R]``, each request's context including its new tokens.
+        query_start_loc: int32 ``[R + 1]``, where each request's new tokens start in the step.
     """
 
     slot_mapping: torch.Tensor
@@ -45,8 +47,8 @@ class DecodeBatch:
     query_start_loc: torch.Tensor
 
 
-def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
-    """The current step as a :class:`DecodeBatch` when the fused op may run it, else ``None`` (also with several
+def fused_step(x: torch.Tensor) -> FusedStep | None:
+    """The current step as a :class:`FusedStep` when the fused op may run it, else ``None`` (also with several
     KV-cache groups: the op takes one block table for every layer).
 
     Args:
@@ -56,17 +58,16 @@ def decode_batch(x: torch.Tensor) -> DecodeBatch | None:
     metadata = ctx.attn_metadata
     tokens = x.shape[0]
     if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
-            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or ctx.group_metadata is not None
-            or metadata.num_decode_tokens != tokens or metadata.num_reqs != tokens):
+            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or ctx.group_metadata is not None):
         return None
-    return DecodeBatch(metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+    return FusedStep(metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
 
 
 class FusedDecoderLayer:
     """One decoder layer's weights, bound for ``kilat_cpu_decoder.decoder_layer``.
 
     Build with :meth:`build` after the weights are processed; call it in place of the layer's forward on steps for
-    which :func:`decode_batch` is not ``None``.
+    which :func:`fused_step` is not ``None``.
     """
 
     def __init__(self, ops: Any, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor],
@@ -108,7 +109,7 @@ class FusedDecoderLayer:
                    [linear.bias for linear in linears], attn)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                 batch: FusedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's ``(sublayer output, residual)`` for ``x [T, hidden]`` (``residual`` ``None`` in the first
         layer), ``cos``/``sin`` ``[T, 1, head_dim]``; writes the step's keys and values into the layer's cache."""
         attn = self._attn

@@ -31,8 +31,8 @@ from kilat.distributed.parallel_state import get_pp_group
 from kilat.model_executor.attention import Attention
 from kilat.model_executor.layers import (
     ColumnParallelLinear,
-    DecodeBatch,
     FusedDecoderLayer,
+    FusedStep,
     ParallelLMHead,
     QKVParallelLinear,
     QuantizationConfig,
@@ -41,7 +41,7 @@ from kilat.model_executor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rotary,
-    decode_batch,
+    fused_step,
     rope_inv_freq,
     silu_and_mul,
 )
@@ -267,9 +267,9 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions)
         local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions)
         layers = self.stage_layers
-        batch: DecodeBatch | None = None
+        batch: FusedStep | None = None
         if any(layer.fused is not None for layer in layers):
-            batch = decode_batch(x)
+            batch = fused_step(x)
         for i, layer in enumerate(layers, self.start_layer):  # a fused layer and its Python forward agree
             cos, sin = local_rope if i in self.local_rope_layers else rope
             if batch is not None and layer.fused is not None:
