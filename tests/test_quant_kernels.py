@@ -169,6 +169,16 @@ def test_quant_linear_matches_dequantize_then_matmul(backend: str, bits: int, n:
     assert_quant_linear_within_bound(backend, bits, n, k, group, m, dtype, half_scales=False)
 
 
+@pytest.mark.parametrize("backend", ISA_NAMES, indirect=True)
+@pytest.mark.parametrize("bits,n,k,group", [(4, 33, 160, 32), (8, 40, 48, 16)])
+@pytest.mark.parametrize("m", [2, 5, 6, 7, 10])
+def test_every_row_pass_of_the_integer_path(backend: str, bits: int, n: int, k: int, group: int, m: int) -> None:
+    """bfloat16 x of 2-10 rows: on the AVX512-VNNI builds the integer path's row passes of every width (5 and 6 rows
+    in one pass, 7 = 4 + 3, 10 = 4 + 4 + 2; from 8 rows the avx512_bf16 build's 4-bit weights take the bfloat16
+    path instead), on the other builds their own paths; all within the bound."""
+    assert_quant_linear_within_bound(backend, bits, n, k, group, m, torch.bfloat16, half_scales=False)
+
+
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits,n,k,group", [(4, 33, 160, 32), (8, 40, 48, 16), (8, 16, 576, 576), (4, 17, 37, 37)])
 @pytest.mark.parametrize("m", [8, 16, 130])
