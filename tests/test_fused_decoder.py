@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from kilat.config import ModelConfig
 from kilat.model_executor.layers import FusedDecoderLayer
+from kilat.model_executor.layers.quantization import kernels
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.native import cpu_flags, load_extension
 from tests.test_models import CASES, _Sequences
@@ -45,12 +46,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
-# The steps _run drives: (request, first token, last token) chunks of the two sequences (23 and 40 tokens).
+# The steps _run drives: (request, first token, last token) chunks of the two sequences (23 and 170 tokens).
 STEPS = [[(0, 0, 11), (1, 0, 4)]]  # both prompts' first chunks
 STEPS += [[(0, 11 + i, 12 + i), (1, 4 + i, 5 + i)] for i in range(8)]  # decodes past the window of 8, across blocks
 STEPS += [[(0, 19, 21), (1, 12, 17)],  # verification-like spans of 2 and 5 tokens (1 + k drafts)
           [(1, 17, 18), (0, 21, 23)],  # a decode, then a span
-          [(1, 18, 40)]]  # a 22-token prefill chunk over a cached context, alone
+          [(1, 18, 40)],  # a 22-token prefill chunk over a cached context, alone
+          [(1, 40, 170)]]  # 130 tokens: fused only where every matmul takes the C++ gemm op at that size
 
 
 def _run(model: torch.nn.Module, fused: bool | int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -62,7 +64,7 @@ def _run(model: torch.nn.Module, fused: bool | int) -> tuple[list[torch.Tensor],
             layer.fused = None
     try:
         g = torch.Generator().manual_seed(2)
-        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 40)]
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 170)]
         runner = _Sequences(model, [len(s) for s in seqs], block_size=4, backend="cpu")  # the kernels it calls
         logits = [torch.cat(runner.step([(r, seqs[r][a:b], a) for r, a, b in chunks])) for chunks in STEPS]
         return logits, runner.kv
@@ -89,7 +91,9 @@ def test_fused_decode_equals_python_forward(checkpoint: Path, quantization: str,
     call = FusedDecoderLayer.__call__
     monkeypatch.setattr(FusedDecoderLayer, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
     fused = _run(model, fused=True)
-    assert len(calls) == len(STEPS) * model.num_layers  # every step: decodes, spans, prefill chunks
+    fused_steps = sum(kernels.gemm_takes(kernels.native_ops(), sum(b - a for _, a, b in chunks), getattr(torch, dtype))
+                      for chunks in STEPS)  # every step but the 130-token one, and that one on some builds
+    assert fused_steps >= len(STEPS) - 1 and len(calls) == fused_steps * model.num_layers
     _assert_equal(fused, _run(model, fused=False))
 
 

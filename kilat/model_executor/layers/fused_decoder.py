@@ -7,11 +7,12 @@ to ``torch.ops.kilat_cpu_decoder_<isa>.decoder_layer``, which calls the same ker
 (RMSNorm, the packed quantized matmuls, rotary, the KV write, paged attention, SiLU-and-mul), so its outputs
 are bit for bit those of the layer's Python forward. It applies only where that forward would run exactly those
 kernels: every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the
-CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step of fewer than
-``DENSE_MIN_M`` tokens (any mix of decodes, verification spans and prefill chunks: the ``cpu`` backend runs them
-all in one ``paged_attention`` call, as the op does), a KV cache in the model dtype and that backend. Everything
-else (longer steps, whose matmuls may take a dense path, other dense weights, act-order or multi-part weights,
-CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.
+CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step whose matmuls all take the
+C++ ``gemm`` op (:func:`~kilat.model_executor.layers.quantization.kernels.gemm_takes`: fewer than ``DENSE_MIN_M``
+tokens, or any number on AVX2 builds and for bfloat16 on AVX512-BF16 ones), any mix of decodes, verification spans
+and prefill chunks (the ``cpu`` backend runs them all in one ``paged_attention`` call, as the op does), a KV cache
+in the model dtype and that backend. Everything else (steps whose matmuls take a dense path, other dense weights,
+act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kilat.model_executor.attention import Attention
 from kilat.model_executor.forward_context import get_forward_context
 from kilat.model_executor.layers.layernorm import RMSNorm
 from kilat.model_executor.layers.linear import Linear
-from kilat.model_executor.layers.quantization.kernels import DENSE_MIN_M, NATIVE_DTYPES
+from kilat.model_executor.layers.quantization.kernels import NATIVE_DTYPES, gemm_takes, native_ops
 from kilat.model_executor.native import load_extension
 
 
@@ -57,8 +58,10 @@ def fused_step(x: torch.Tensor) -> FusedStep | None:
     ctx = get_forward_context()
     metadata = ctx.attn_metadata
     tokens = x.shape[0]
-    if (not x.is_cpu or x.dtype not in NATIVE_DTYPES or tokens >= DENSE_MIN_M or ctx.kv_scales is not None
-            or ctx.fused_kernels or ctx.attn_backend.name != "cpu" or ctx.group_metadata is not None):
+    ops = native_ops() if x.is_cpu else None
+    if (ops is None or x.dtype not in NATIVE_DTYPES or not gemm_takes(ops, tokens, x.dtype)
+            or ctx.kv_scales is not None or ctx.fused_kernels or ctx.attn_backend.name != "cpu"
+            or ctx.group_metadata is not None):
         return None
     return FusedStep(metadata.slot_mapping, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
 

@@ -251,6 +251,13 @@ def _native_for(t: torch.Tensor) -> Any | None:
     return native_ops() if t.device.type == "cpu" else None
 
 
+def gemm_takes(ops: Any, rows: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`quant_linear` multiplies ``rows`` rows of ``dtype`` activations with the C++ ``gemm`` op
+    ``ops`` (below :data:`DENSE_MIN_M` rows; at every size on AVX2 builds and, for bfloat16, on AVX512-BF16
+    ones), not with a dense float32 matmul of the dequantized weight."""
+    return rows < DENSE_MIN_M or ops.has_avx2() or (dtype == torch.bfloat16 and ops.has_bf16dp())
+
+
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``q * scale + zero`` computed in float32, then cast to ``dtype``: ``[N, K]``."""
     ops = _native_for(w.qweight)
@@ -285,8 +292,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if ops is None or x.dtype not in NATIVE_DTYPES or (w.bits == 16 and not (x.dtype == torch.bfloat16
                                                                            and ops.has_bf16dp())):
         return F.linear(x, dequantize(w, x.dtype), bias)
-    if (x.numel() >= DENSE_MIN_M * w.in_features and not ops.has_avx2()
-            and not (x.dtype == torch.bfloat16 and ops.has_bf16dp())):
+    if not gemm_takes(ops, x.numel() // w.in_features, x.dtype):
         y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))
         return y.to(x.dtype)
     return ops.gemm(x, w.qweight, w.scales, w.bits, w.group_size, w.out_features, w.in_features, bias)
