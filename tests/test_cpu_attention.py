@@ -177,7 +177,7 @@ def test_verification_spans_split_across_threads(ops, query_lens: list[int], seq
                                                  threads: int, dtype: torch.dtype) -> None:
     """Speculative verification spans (1 + k tokens over a long context, with a decode beside one) in the default
     model's shape (9 query heads, 3 KV heads, head_dim 64): their few spans share out badly over the threads, so
-    each span's keys are split and merged by log-sum-exp (a window's keys only; 140 keys are too few to split).
+    each span's keys are split and merged by log-sum-exp (a window's keys only; 17 tokens as spans of 8, 8 and 1).
     Matches the float64 oracle (bfloat16: within one unit in the last place of it rounded, as unsplit), and the op
     on one thread (unsplit) to float32 rounding."""
     g = torch.Generator().manual_seed(11)

@@ -161,7 +161,8 @@ class LlamaDecoderLayer(nn.Module):
     among this pipeline stage's layers.
 
     After loading, a layer whose projections are packed quantized weights on the CPU also holds ``fused``, the same
-    computation as one C++ op (:class:`FusedDecoderLayer`), which :class:`LlamaModel` runs on decode-only steps.
+    computation as one C++ op (:class:`FusedDecoderLayer`), which :class:`LlamaModel` runs on the steps
+    :func:`~kilat.model_executor.layers.fused_step` admits.
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, family: type[LlamaForCausalLM],
@@ -176,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
         self.fused: FusedDecoderLayer | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Bind the fused decode kernel where it applies (runs after the submodules processed their weights; not
+        """Bind the fused decoder-layer kernel where it applies (runs after the submodules processed their weights; not
         with a ``residual_multiplier``, which it does not apply, nor with a Mixture-of-Experts MLP, q/k norms over
         whole projections or another family's attention block)."""
         attn, mlp = self.self_attn, self.mlp
