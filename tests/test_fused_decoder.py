@@ -53,10 +53,13 @@ STEPS += [[(0, 19, 21), (1, 12, 17)],  # verification-like spans of 2 and 5 toke
           [(1, 17, 18), (0, 21, 23)],  # a decode, then a span
           [(1, 18, 40)],  # a 22-token prefill chunk over a cached context, alone
           [(1, 40, 170)]]  # 130 tokens: fused only where every matmul takes the C++ gemm op at that size
+# The same kinds of step, fewer tokens (the embedded 30-layer model on the portable build is slow).
+SHORT_STEPS = [[(0, 0, 11), (1, 0, 4)], [(0, 11, 12), (1, 4, 5)], [(0, 12, 14), (1, 5, 10)], [(1, 10, 11), (0, 14, 16)]]
 
 
-def _run(model: torch.nn.Module, fused: bool | int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:data:`STEPS` through ``model``: every step's logits (of every new token) and the final KV caches.
+def _run(model: torch.nn.Module, fused: bool | int, steps: list[list[tuple[int, int, int]]] = STEPS
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``steps`` through ``model``: every step's logits (of every new token) and the final KV caches.
     ``fused``: every layer's fused op, none, or (an int) only layer ``fused``'s."""
     saved = [layer.fused for layer in model.model.layers]
     for i, layer in enumerate(model.model.layers):
@@ -66,7 +69,7 @@ def _run(model: torch.nn.Module, fused: bool | int) -> tuple[list[torch.Tensor],
         g = torch.Generator().manual_seed(2)
         seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (23, 170)]
         runner = _Sequences(model, [len(s) for s in seqs], block_size=4, backend="cpu")  # the kernels it calls
-        logits = [torch.cat(runner.step([(r, seqs[r][a:b], a) for r, a, b in chunks])) for chunks in STEPS]
+        logits = [torch.cat(runner.step([(r, seqs[r][a:b], a) for r, a, b in chunks])) for chunks in steps]
         return logits, runner.kv
     finally:
         for layer, f in zip(model.model.layers, saved, strict=True):
@@ -104,10 +107,11 @@ def test_fused_and_python_layers_mix(checkpoint: Path) -> None:
 
 
 def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
-    """The default served model (its Q4_1 GGUF in bfloat16): every layer fused, the same logits and cache."""
+    """The default served model (its Q4_1 GGUF in bfloat16): every layer fused, the same logits and cache over a
+    prefill, a decode, verification spans and a mixed step (:data:`SHORT_STEPS`)."""
     model, _, _ = get_model(ModelConfig(), "cpu")
     assert all(layer.fused is not None for layer in model.model.layers)
-    _assert_equal(_run(model, fused=True), _run(model, fused=False))
+    _assert_equal(_run(model, fused=True, steps=SHORT_STEPS), _run(model, fused=False, steps=SHORT_STEPS))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
