@@ -1,6 +1,6 @@
 // One pre-norm decoder layer of the Llama family (grouped-query attention with rotary embeddings, SwiGLU MLP) for a
-// small step on the CPU (decodes, verification spans, short prefill chunks), as one op. A batch-1 decode step of a
-// small model is dominated by Python and dispatch between a dozen small kernels per layer (docs/benchmarks.md,
+// step on the CPU (decodes, verification spans, prefill chunks, any mix of them), as one op. A batch-1 decode step of
+// a small model is dominated by Python and dispatch between a dozen small kernels per layer (docs/benchmarks.md,
 // "Fused decoder layer"); this op runs the same kernels in the same order from C++, so its results are bit for bit
 // those of the Python path in kilat/model_executor/models/llama.py (LlamaDecoderLayer.forward with the cpu attention
 // backend), which stays the oracle and the fallback. The kernels are the other extensions' ops, called through the

@@ -1,4 +1,4 @@
-"""A whole pre-norm decoder layer as one C++ op for small CPU steps (``kilat/csrc/cpu_decoder.cpp``).
+"""A whole pre-norm decoder layer as one C++ op for CPU steps (``kilat/csrc/cpu_decoder.cpp``).
 
 A batch-1 decode step of a small model on the CPU is dominated by Python and dispatch between a dozen small
 kernels per layer (docs/benchmarks.md, "Fused decoder layer"); so is a speculative-decoding verification step of a
