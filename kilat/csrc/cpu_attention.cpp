@@ -816,6 +816,13 @@ int64_t num_splits(int64_t items, int64_t longest) {
   return 20 * units(best) < 19 * units(1) * best ? best : 1;
 }
 
+// Keys [lo, hi) of part `split` of `splits` of keys [begin, end): equal parts, the last ones shorter or empty.
+inline std::pair<int64_t, int64_t> split_keys(int64_t begin, int64_t end, int64_t splits, int64_t split) {
+  const int64_t chunk = (end - begin + splits - 1) / splits;
+  const int64_t lo = std::min(end, begin + split * chunk);
+  return {lo, std::min(end, lo + chunk)};
+}
+
 // The decodes (requests with one new token): items (decode, KV head), each split in num_splits parts; the tasks
 // (item, split) in one parallel region. An item's output is written by the task that finishes its last split (a
 // counter per item; acq_rel so that task sees the other splits' states), not in a second region.
@@ -834,8 +841,7 @@ void run_decodes(const Problem& p, const std::vector<int64_t>& decodes, const T*
       const int64_t item = task / splits, split = task % splits;
       const Span sp{decodes[item / p.kv_heads], item % p.kv_heads, 0, 1};
       const int64_t end = p.seq_lens[sp.r], begin = p.first_key(end - 1);
-      const int64_t chunk = (end - begin + splits - 1) / splits;
-      const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
+      const auto [lo, hi] = split_keys(begin, end, splits, split);
       load_queries(p, query, sp, sc);
       attend_decode<T>(p, cache, sp, lo, hi, sc, State(&states[task * size], p.group));
       if (splits == 1 || done[item].fetch_add(1, std::memory_order_acq_rel) == splits - 1)
@@ -887,8 +893,7 @@ void run_extends(const Problem& p, const std::vector<int64_t>& extends, const T*
       const int64_t i = task / splits, split = task % splits;
       const Span& sp = spans[i].second;
       const int64_t ctx = p.context_len(sp.r), begin = p.first_key(ctx + sp.t0), end = ctx + sp.t1;
-      const int64_t chunk = (end - begin + splits - 1) / splits;
-      const int64_t lo = std::min(end, begin + split * chunk), hi = std::min(end, lo + chunk);
+      const auto [lo, hi] = split_keys(begin, end, splits, split);
       float* base = splits > 1 ? &parts[i * splits * size] : sc.state.data();
       float* state = base + split * State::size(p, sp.rows(p));  // finish() steps through the parts by this size
       if (!extends_in_bf16<T>(p)) load_queries(p, query, sp, sc);
