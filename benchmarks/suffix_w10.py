@@ -22,6 +22,10 @@ round differently, so it is only recorded.
 and ``--disable-by-batch-size B`` gives every speculative configuration that knob. ``--workload w6`` runs the first
 32 W6 chat prompts (128 tokens, EOS ignored) instead of W10, for speculation on text that does not repeat.
 
+``--eagle3 PATH`` adds ``eagle3-k<k>`` and ``eagle3-int8-k<k>`` configurations: the EAGLE-3 head in PATH (as ``kilat
+train-draft`` writes it), dense and quantized to int8 at load,
+and ``--methods`` picks which of ngram, suffix and eagle3 run (default: ngram and suffix, plus eagle3 with a head).
+
 ``--smoke`` (2 documents × 2 edits, 16 tokens, k = 4, float32) is what the test suite runs.
 """
 
@@ -170,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config.disable_by_batch_size of every speculative configuration")
     p.add_argument("--workload", default="w10", choices=("w10", "w6"))
+    p.add_argument("--eagle3", default=None, help="an EAGLE-3 head's directory: adds eagle3-k<k> configurations")
+    p.add_argument("--methods", default=None, help="comma-separated subset of ngram,suffix,eagle3 (default: all that "
+                                                   "apply)")
     p.add_argument("--smoke", action="store_true", help="2 documents x 2 edits, 16 tokens, k = 4, float32")
     args = p.parse_args(argv)
     num_documents, num_edits = (2, 2) if args.smoke else (4, 4)
@@ -177,9 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         args.max_tokens, args.k, args.dtype = 16, "4", "float32"
     ks = [int(k) for k in args.k.split(",") if k]
     extra = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
+    methods = set((args.methods or "ngram,suffix,eagle3").split(","))
     configs: dict[str, dict[str, Any] | None] = {"none": None}
-    configs.update({f"ngram-k{k}": {**ngram_config(k), **extra} for k in ks})
-    configs.update({f"suffix-k{k}": {**suffix_config(k), **extra} for k in ks})
+    if "ngram" in methods:
+        configs.update({f"ngram-k{k}": {**ngram_config(k), **extra} for k in ks})
+    if "suffix" in methods:
+        configs.update({f"suffix-k{k}": {**suffix_config(k), **extra} for k in ks})
+    if "eagle3" in methods and args.eagle3:
+        configs.update({f"eagle3-k{k}": {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": k,
+                                         **extra} for k in ks})
+        configs.update({f"eagle3-int8-k{k}": {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": k,
+                                              "quantization": "int8", **extra} for k in ks})
     if args.workload == "w6":
         from kilat.bench.datasets import W6_PROMPTS
 

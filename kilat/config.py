@@ -238,7 +238,7 @@ class ExecutionConfig:
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix", "eagle3")
 
 
 @dataclass
@@ -329,13 +329,18 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: copy the tokens that followed the latest earlier occurrence of the
-            sequence's last n tokens), ``"draft_model"`` (a smaller model with the same vocabulary) or ``"suffix"``
+            sequence's last n tokens), ``"draft_model"`` (a smaller model with the same vocabulary), ``"suffix"``
             (suffix decoding: the most frequent continuation of the sequence's longest recurring suffix, in its own
-            tokens and in earlier requests' outputs; :mod:`kilat.spec_decode.suffix`).
+            tokens and in earlier requests' outputs; :mod:`kilat.spec_decode.suffix`) or ``"eagle3"`` (an EAGLE-3
+            head that drafts from the target's own hidden states; :mod:`kilat.spec_decode.eagle3`).
         num_speculative_tokens: most draft tokens per request and step (k).
         model: the draft model for ``"draft_model"`` (as :attr:`ModelConfig.model`; ``None`` is the embedded
-            SmolLM2-135M-Instruct); must be ``None`` for the other methods.
+            SmolLM2-135M-Instruct), the head's directory for ``"eagle3"`` (required; vLLM's checkpoint layout,
+            as ``kilat train-draft`` writes it); must be ``None`` for the other methods.
         load_format: the draft model's load format (as :attr:`ModelConfig.load_format`).
+        quantization: an online method for the EAGLE-3 head's weights (``"int8"`` or ``"int4"``, as
+            :attr:`ModelConfig.quantization`; ``None``: dense in the target's dtype). Drafting is bound by the
+            head's weight reads on a CPU; a rounded head only drafts differently, the outputs stay the target's.
         prompt_lookup_min: shortest suffix n-gram looked up (tokens, ``"ngram"``).
         prompt_lookup_max: longest suffix n-gram looked up (tokens, ``"ngram"``); longer matches are tried first.
         suffix_decoding_max_tree_depth: longest suffix matched (tokens, ``"suffix"``; vLLM's knobs).
@@ -354,6 +359,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     suffix_decoding_max_tree_depth: int = 24
@@ -369,8 +375,13 @@ class SpeculativeConfig:
                "speculative_config.num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         _check(self.load_format in LOAD_FORMATS, "speculative_config.load_format",
                f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        _check(self.method == "draft_model" or self.model is None, "speculative_config.model",
-               f"is only used with method 'draft_model', got {self.model!r}")
+        _check(self.method in ("draft_model", "eagle3") or self.model is None, "speculative_config.model",
+               f"is only used with methods 'draft_model' and 'eagle3', got {self.model!r}")
+        _check(self.method != "eagle3" or isinstance(self.model, str), "speculative_config.model",
+               "must name the directory of the EAGLE-3 head with method 'eagle3'")
+        _check(self.quantization in (None, "int8", "int4") and (self.quantization is None or self.method == "eagle3"),
+               "speculative_config.quantization", f"must be None, or 'int8' or 'int4' with method 'eagle3', got "
+               f"{self.quantization!r}")
         _check(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
                "speculative_config.prompt_lookup_min", f"must be >= 1, got {self.prompt_lookup_min}")
         _check(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
@@ -672,9 +683,9 @@ class EngineArgs:
                "tensor_parallel_size",
                f"x pipeline_parallel_size x data_parallel_size = {gpus} ranks need as many GPUs (one per rank); "
                f"{torch.cuda.device_count()} visible")
-        _check(parallel.world_size == 1 or speculative is None or speculative.method != "draft_model",
-               "speculative_config", "method 'draft_model' runs with tensor_parallel_size and "
-               "pipeline_parallel_size 1 only")
+        _check(parallel.world_size == 1 or speculative is None or speculative.method not in ("draft_model", "eagle3"),
+               "speculative_config", f"method {speculative and speculative.method!r} runs with tensor_parallel_size "
+               f"and pipeline_parallel_size 1 only")
         cache = build(CacheConfig)
         check_kv_cache_dtype(cache.kv_cache_dtype, backend, device)
         _check(cache.kv_offloading_size is None or parallel.world_size * parallel.data_parallel_size == 1,

@@ -16,10 +16,10 @@ VOCAB = 8
 PROMPT = [1, 2, 3, 4]
 
 
-def _tiny_model(path: Path, seed: int, logit_scale: float, max_positions: int = 64) -> str:
+def _tiny_model(path: Path, seed: int, logit_scale: float, max_positions: int = 64, num_layers: int = 2) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          initializer_range=0.3, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kilat import LLM, SamplingParams
 from kilat.config import SpeculativeConfig
+from kilat.spec_decode import TargetHiddenStates
 from kilat.spec_decode.ngram import longest_match
 from kilat.spec_decode.suffix import END, SuffixCache, SuffixProposer, follow
 from tests.request_states import make_state
@@ -20,6 +22,7 @@ from tests.test_step_contract import PROMPTS, contract_engine_kwargs, generate_m
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+NO_HIDDEN = TargetHiddenStates(torch.empty(0, 8), None, [], [])  # suffix decoding reads no hidden states
 
 
 def _own(tokens: list[int], depth: int = 24) -> tuple[np.ndarray, int]:
@@ -74,12 +77,12 @@ def test_proposer_takes_the_source_with_the_longer_expected_draft():
     proposer.request_finished(make_state("done", [1, 2], params, output=[5, 7, 8, 9, 10, 11, 12]))
     # its own tokens match "7 8" (2 drafts: 3 5); the cached output matches "5 7 8" (3 drafts, expected 3)
     request = make_state("a", [7, 8, 3, 5, 7], params, output=[8])
-    proposer.propose([request], {request.request_id})
+    proposer.propose([request], {request.request_id}, NO_HIDDEN)
     assert request.spec_token_ids == [9, 10, 11]  # 3 matched tokens x max_spec_factor 1
     own = make_state("b", [4, 5, 6, 7, 8, 4, 5, 6], params, output=[7])
-    proposer.propose([own], {own.request_id})
+    proposer.propose([own], {own.request_id}, NO_HIDDEN)
     assert own.spec_token_ids == [8, 4, 5, 6]  # "4 5 6 7" matched in its own prompt, 4 slots
-    proposer.propose([own], set())  # did not sample this step: no drafts
+    proposer.propose([own], set(), NO_HIDDEN)  # did not sample this step: no drafts
     assert own.spec_token_ids == []
 
 

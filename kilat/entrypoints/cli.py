@@ -1,6 +1,6 @@
 """The ``kilat`` command line: ``kilat serve`` (OpenAI-compatible server), ``kilat proxy`` (one endpoint in front
-of disaggregated prefill and decode servers), ``kilat bench`` (benchmarks), ``kilat generate`` and an
-interactive, streaming ``kilat chat``."""
+of disaggregated prefill and decode servers), ``kilat bench`` (benchmarks), ``kilat plan``, ``kilat train-draft``
+(EAGLE-3 heads), ``kilat generate`` and an interactive, streaming ``kilat chat``."""
 
 from __future__ import annotations
 
@@ -371,9 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
     from kilat.bench.cli import add_bench_parser
     from kilat.plan.cli import add_plan_parser
+    from kilat.train_draft.cli import add_train_draft_parser
 
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_train_draft_parser(sub)
     return parser
 
 

@@ -38,6 +38,11 @@ class ForwardContext:
         group_metadata: with several KV-cache groups (:mod:`kilat.core.kv_cache_groups`), each group's metadata
             (its own block table and slot mapping; :attr:`attn_metadata` is group 0's), else ``None``.
         layer_groups: with ``group_metadata``, the group of each KV cache index.
+        aux_hidden_state_layers: the decoder layers whose input hidden states (residual stream included) the step
+            keeps for a speculative-decoding proposer (EAGLE-3), in vLLM's numbering: ``i`` is the input of layer
+            ``i`` (0 the embeddings, ``i > 0`` the output of layer ``i - 1``); empty: none.
+        aux_hidden_states: where the model puts them, one ``[T, hidden]`` tensor per entry of
+            :attr:`aux_hidden_state_layers` in increasing layer order, filled during the forward.
     """
 
     attn_metadata: AttentionMetadata
@@ -47,6 +52,8 @@ class ForwardContext:
     kv_scales: list[torch.Tensor] | None = None
     group_metadata: list[AttentionMetadata] | None = None
     layer_groups: Sequence[int] | None = None
+    aux_hidden_state_layers: frozenset[int] = frozenset()
+    aux_hidden_states: list[torch.Tensor] = field(default_factory=list)
     _backend_metadata: Any = field(default=None, init=False, repr=False)
     _group_backend_metadata: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _step_plans: StepPlans | None = field(default=None, init=False, repr=False)

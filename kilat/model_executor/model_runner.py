@@ -38,10 +38,11 @@ from kilat.model_executor.cuda_graphs import CUDAGraphRunner
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.loader import get_model
 from kilat.model_executor.loader.metadata import max_position_embeddings
+from kilat.model_executor.models.llama_eagle3 import load_eagle3
 from kilat.model_executor.request_state import CachedRequestState
 from kilat.model_executor.sampler import Sampler, compute_prompt_logprobs, plain_greedy
 from kilat.outputs import PositionLogprobs
-from kilat.spec_decode import Proposer, build_proposer
+from kilat.spec_decode import Proposer, TargetHiddenStates, build_proposer
 from kilat.spec_decode.rejection import verify
 
 logger = logging.getLogger("kilat")
@@ -62,6 +63,7 @@ class _StepInputs:
         sample_reqs: the requests whose chunk reaches their last known token.
         prompt_logprobs: (request, first row, first position, count) of the prompt positions whose logprobs
             this step computes.
+        first_rows, first_positions: per scheduled request, its first row and that row's position.
     """
 
     scheduled: list[tuple[CachedRequestState, int]] = field(default_factory=list)
@@ -73,6 +75,8 @@ class _StepInputs:
     sample_rows: list[int] = field(default_factory=list)
     sample_reqs: list[CachedRequestState] = field(default_factory=list)
     prompt_logprobs: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)
+    first_rows: list[int] = field(default_factory=list)
+    first_positions: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -97,7 +101,9 @@ class ModelRunner:
         attn_backend: the attention kernels (``ExecutionConfig.attention_backend`` resolved for the device).
         fused_kernels: whether RMSNorm, SiLU-and-mul and rotary run as fused Triton kernels (CUDA + Triton).
         cuda_graphs: the captured decode graphs, or ``None`` (CPU, ``enforce_eager``, ungraphable backend).
-        draft_model: the speculative-decoding draft model (method ``draft_model``), or ``None``.
+        draft_model: the speculative-decoding draft model (method ``draft_model``) or EAGLE-3 head (method
+            ``eagle3``), or ``None``.
+        draft_aux_layers: the target layers whose inputs the EAGLE-3 head reads (empty without one).
         draft_kv_caches, draft_kv_scales: its KV cache (in the same ``kv_cache_dtype``) and scales, with the
             target's block ids and block size, or ``None``.
         proposer: the speculative-decoding proposer (``speculative_config``; on the last pipeline stage), or
@@ -124,11 +130,14 @@ class ModelRunner:
         block_size = config.cache.block_size
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.draft_aux_layers: tuple[int, ...] = ()
         self.draft_model = self._load_draft_model()
         self.sliding_windows = tuple(w for m in (self.model, self.draft_model) if m is not None
                                      for w in attention_windows(m, m.num_layers))
+        # MLA and a proposer that reads the target's layer inputs (EAGLE-3): eager
         graphable = self.device.type == "cuda" and self.attn_backend.graphable and not config.execution.enforce_eager \
-            and self.pp.world_size == 1 and isinstance(self.model.kv_spec, FullAttentionSpec)  # MLA: eager
+            and self.pp.world_size == 1 and isinstance(self.model.kv_spec, FullAttentionSpec) \
+            and not self.draft_aux_layers
         # KV-cache groups need one table per group in every kernel's metadata: not with a KV connector, a draft
         # model or pipeline stages, nor (yet) in captured CUDA graphs, which a hybrid model keeps by default
         hybrid = self.draft_model is None and self.pp.world_size == 1 and config.kv_connector_name is None \
@@ -160,6 +169,7 @@ class ModelRunner:
         spec = config.speculative
         self.proposer: Proposer | None = None if spec is None or not self.pp.is_last else build_proposer(spec, self)
         self.num_lookahead_tokens = self.proposer.num_lookahead_tokens if self.proposer is not None else 0
+        self._aux_layers = frozenset(self.proposer.aux_hidden_state_layers if self.proposer is not None else ())
         logger.info("attention backend %s%s, %s", self.attn_backend.name,
                     " with fused kernels" if self.fused_kernels else "",
                     "CUDA graphs for decode" if self.cuda_graphs is not None else "eager")
@@ -230,15 +240,21 @@ class ModelRunner:
                                                                                    for t in self._layer_tensor]
 
     def _load_draft_model(self) -> torch.nn.Module | None:
-        """The draft model of ``speculative_config`` (method ``draft_model``) in the target's dtype, or ``None``.
+        """The draft model of ``speculative_config`` (method ``draft_model``) or its EAGLE-3 head (method
+        ``eagle3``, also setting :attr:`draft_aux_layers`) in the target's dtype, or ``None``.
 
         Raises:
             ValueError: the draft's vocabulary differs from the target's, or its positions end before
-                ``max_model_len``.
+                ``max_model_len``; an EAGLE-3 head that does not fit the target (:func:`load_eagle3`).
         """
         spec = self.config.speculative
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "eagle3"):
             return None
+        if spec.method == "eagle3":
+            head, self.draft_aux_layers = load_eagle3(spec.model, self.hf_config, self.max_model_len, self.dtype,
+                                                      self.device, spec.quantization)
+            head.bind_target(self.model.model.embed_tokens)
+            return head
         from kilat.spec_decode.draft_model import draft_model_config
 
         model, hf_config, _ = get_model(draft_model_config(spec, self.config.model, self.dtype), self.device)
@@ -342,7 +358,7 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.maybe_adjust()
         step = self._prepare_inputs(sched)
-        hidden = self._forward(step)
+        hidden, aux = self._forward(step)
         if not self.pp.is_last:
             send_to_next_stage(hidden)
             return result
@@ -356,7 +372,8 @@ class ModelRunner:
         if self.proposer is not None:  # above disable_by_batch_size requests, none counts as sampled: no drafts
             limit = self.config.speculative.disable_by_batch_size
             drafted = set(result.sampled_token_ids) if limit is None or len(step.scheduled) <= limit else set()
-            self.proposer.propose([request for request, _ in step.scheduled], drafted)
+            self.proposer.propose([request for request, _ in step.scheduled], drafted,
+                                  TargetHiddenStates(hidden, aux, step.first_rows, step.first_positions))
             result.spec_token_ids = {r.request_id: r.spec_token_ids for r, _ in step.scheduled if r.spec_token_ids}
         return result
 
@@ -372,6 +389,8 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + num_new
             row0 = len(input_ids)
+            step.first_rows.append(row0)
+            step.first_positions.append(start)
             num_tokens = request.num_tokens
             if num_new == 1 and end <= num_tokens:  # a decode: its last token
                 input_ids.append(request.all_token_ids[start])
@@ -393,14 +412,19 @@ class ModelRunner:
                 step.sample_reqs.append(request)
         return step
 
-    def _forward(self, step: _StepInputs) -> torch.Tensor:
+    def _forward(self, step: _StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's forward over the step's batch: a captured CUDA graph for a batch of decodes that fits one,
         else eagerly over every KV-cache group's attention metadata (after the first pipeline stage, on the hidden
-        states the previous stage sends). Returns the hidden states (before the last stage, what it sends on)."""
+        states the previous stage sends).
+
+        Returns:
+            The hidden states (before the last stage, what it sends on), and the inputs of the proposer's
+            ``aux_hidden_state_layers`` concatenated (``[T, n * hidden]``), or ``None`` when it names none.
+        """
         graphs = self.cuda_graphs
         if graphs is not None and len(step.input_ids) == len(step.query_lens) <= graphs.max_batch_size:
             return graphs.run(step.input_ids, step.positions, step.seq_lens,
-                              [tables[0] for tables in step.block_tables])
+                              [tables[0] for tables in step.block_tables]), None
         metas = [AttentionMetadata.build(step.query_lens, step.seq_lens, [tables[g] for tables in step.block_tables],
                                          self.block_size, self.device) for g in range(len(self.kv_cache_groups))]
         ids_t = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
@@ -410,8 +434,10 @@ class ModelRunner:
         context = self.context(metas[0], self.kv_caches, self.kv_scales)
         if len(metas) > 1:
             context.group_metadata, context.layer_groups = metas, self.layer_groups
+        context.aux_hidden_state_layers = self._aux_layers
         with set_forward_context(context):
-            return self.model(ids_t, pos_t, intermediate)
+            hidden = self.model(ids_t, pos_t, intermediate)
+        return hidden, torch.cat(context.aux_hidden_states, dim=-1) if context.aux_hidden_states else None
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_reqs: list[CachedRequestState],
                 sched: SchedulerOutput, result: ModelRunnerOutput) -> None:

@@ -18,8 +18,7 @@ import torch
 from kilat.config import ModelConfig, SpeculativeConfig, dtype_name
 from kilat.model_executor.attention import AttentionMetadata
 from kilat.model_executor.forward_context import set_forward_context
-from kilat.model_executor.sampler import argmax_rows, exponential_noise, sampling_probs
-from kilat.spec_decode.proposer import num_draft_slots
+from kilat.spec_decode.proposer import TargetHiddenStates, num_draft_slots, sample_drafts
 
 if TYPE_CHECKING:
     from kilat.model_executor.model_runner import ModelRunner
@@ -49,6 +48,7 @@ class DraftModelProposer:
             raise ValueError("speculative_config.method 'draft_model' needs the runner to load the draft model")
         self.config = config
         self.num_lookahead_tokens = config.num_speculative_tokens
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.model = runner.draft_model
         self.kv_caches = runner.draft_kv_caches
         self.kv_scales = runner.draft_kv_scales
@@ -61,7 +61,7 @@ class DraftModelProposer:
         """Nothing to keep: the draft's KV lives in the target's blocks, which the scheduler frees."""
 
     @torch.inference_mode()
-    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
+    def propose(self, requests: list[CachedRequestState], sampled: set[str], hidden: TargetHiddenStates) -> None:
         """Bring the draft's KV up to each request's confirmed tokens and draft for the decoding ones."""
         batch: list[tuple[CachedRequestState, int, int, int]] = []  # (request, first position, end, drafts wanted)
         tables: dict[str, list[int]] = {}
@@ -93,13 +93,13 @@ class DraftModelProposer:
         active = [(r, wanted) for _, r, wanted in drafting]
         logits = self.model.compute_logits(hidden[last_rows[[n for n, _, _ in drafting]]])
         q_rows: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
-        self._sample(logits, [r for r, _ in active], q_rows)
+        sample_drafts(logits, [r for r, _ in active], q_rows)
         for step in range(1, max(wanted for _, wanted in active)):
             active = [(r, wanted) for r, wanted in active if wanted > step]
             positions = [r.num_tokens - 1 + step for r, _ in active]
             hidden = self._forward([r.spec_token_ids[-1] for r, _ in active], positions, [1] * len(active),
                                    [p + 1 for p in positions], [tables[r.request_id] for r, _ in active])
-            self._sample(self.model.compute_logits(hidden), [r for r, _ in active], q_rows)
+            sample_drafts(self.model.compute_logits(hidden), [r for r, _ in active], q_rows)
         for request, wanted in ((r, w) for _, r, w in drafting):
             request.draft_num_computed = request.num_tokens + wanted - 1
             if q_rows[request.request_id]:
@@ -113,20 +113,3 @@ class DraftModelProposer:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         with set_forward_context(self.context(meta, self.kv_caches, self.kv_scales)):
             return self.model(ids_t, pos_t)
-
-    def _sample(self, logits: torch.Tensor, requests: list[CachedRequestState],
-                q_rows: dict[str, list[torch.Tensor]]) -> None:
-        """Append one draft to each request: the argmax for greedy ones, else a sample from ``q`` (kept)."""
-        logits = logits.float()
-        tokens = argmax_rows(logits)
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
-            rows = [requests[i] for i in random_rows]
-            q = sampling_probs(logits[index], rows)
-            q = q / q.sum(dim=-1, keepdim=True)
-            tokens[index] = argmax_rows(q / exponential_noise(q.shape, rows, logits.device))
-            for i, row in zip(random_rows, q, strict=True):
-                q_rows[requests[i].request_id].append(row)
-        for request, token in zip(requests, tokens.tolist(), strict=True):
-            request.spec_token_ids.append(token)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kilat.config import SpeculativeConfig
-from kilat.spec_decode.proposer import num_draft_slots
+from kilat.spec_decode.proposer import TargetHiddenStates, num_draft_slots
 
 if TYPE_CHECKING:
     from kilat.model_executor.request_state import CachedRequestState
@@ -84,12 +84,13 @@ class NgramProposer:
     """
 
     num_lookahead_tokens = 0
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
+    def propose(self, requests: list[CachedRequestState], sampled: set[str], hidden: TargetHiddenStates) -> None:
         """Set ``spec_token_ids`` of each decoding request to its prompt-lookup drafts (maybe none)."""
         for request in requests:
             num_slots = num_draft_slots(request, self.config.num_speculative_tokens, self.max_model_len,

@@ -31,7 +31,7 @@ import numpy as np
 
 from kilat.config import SpeculativeConfig
 from kilat.spec_decode.ngram import longest_match
-from kilat.spec_decode.proposer import num_draft_slots
+from kilat.spec_decode.proposer import TargetHiddenStates, num_draft_slots
 
 if TYPE_CHECKING:
     from kilat.model_executor.request_state import CachedRequestState
@@ -159,13 +159,14 @@ class SuffixProposer:
     """
 
     num_lookahead_tokens = 0
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
         self.cache = SuffixCache(config.suffix_decoding_max_cached_requests)
 
-    def propose(self, requests: list[CachedRequestState], sampled: set[str]) -> None:
+    def propose(self, requests: list[CachedRequestState], sampled: set[str], hidden: TargetHiddenStates) -> None:
         """Set ``spec_token_ids`` of each decoding request to its suffix drafts (maybe none)."""
         config = self.config
         depth, factor, min_prob = (config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,

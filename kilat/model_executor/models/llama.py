@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 
 from kilat.distributed.parallel_state import get_pp_group
 from kilat.model_executor.attention import Attention
+from kilat.model_executor.forward_context import get_forward_context
 from kilat.model_executor.layers import (
     ColumnParallelLinear,
     FusedDecoderLayer,
@@ -82,19 +83,20 @@ class LlamaAttention(nn.Module):
     """Self-attention block: fused QKV projection, optional q/k norm, rotary, paged attention, output proj.
 
     Under tensor parallelism each rank runs its own heads (:class:`QKVParallelLinear`) and ``o_proj`` sums the
-    ranks' outputs (:class:`RowParallelLinear`). With ``sinks`` the paged attention layer holds one learned
-    attention-sink logit per (this rank's) query head (GPT-OSS; :class:`Attention`).
+    ranks' outputs (:class:`RowParallelLinear`). ``input_size`` (default ``hidden_size``) is what the q/k/v
+    projections read: twice the hidden size in an EAGLE-3 head. With ``sinks`` the paged attention layer holds one
+    learned attention-sink logit per (this rank's) query head (GPT-OSS; :class:`Attention`).
     """
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, cache_idx: int, qkv_bias: bool,
                  qk_norm: str | None, dtype: torch.dtype | None, quant_config: QuantizationConfig | None,
-                 prefix: str, *, sinks: bool = False) -> None:
+                 prefix: str, *, sinks: bool = False, input_size: int | None = None) -> None:
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
         self.head_dim = _head_dim(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, self.head_dim, config.num_attention_heads,
                                           _num_kv_heads(config), qkv_bias or attention_bias, dtype, quant_config,
                                           f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -257,7 +259,8 @@ class LlamaModel(nn.Module):
 
         Returns:
             On the last stage the final-normed hidden states ``[T, hidden]``, before it ``[2, T, hidden]`` for
-            the next stage.
+            the next stage. The inputs of the layers the forward context's ``aux_hidden_state_layers`` names go to
+            its ``aux_hidden_states`` on the way.
         """
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
@@ -271,7 +274,11 @@ class LlamaModel(nn.Module):
         batch: FusedStep | None = None
         if any(layer.fused is not None for layer in layers):
             batch = fused_step(x)
+        ctx = get_forward_context()
+        aux_layers = ctx.aux_hidden_state_layers
         for i, layer in enumerate(layers, self.start_layer):  # a fused layer and its Python forward agree
+            if i in aux_layers:  # a proposer reads this layer's input (EAGLE-3)
+                ctx.aux_hidden_states.append(x if residual is None else x + residual)
             cos, sin = local_rope if i in self.local_rope_layers else rope
             if batch is not None and layer.fused is not None:
                 x, residual = layer.fused(x, residual, cos, sin, batch)
