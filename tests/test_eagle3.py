@@ -239,7 +239,7 @@ def test_bad_heads_and_configs_are_refused(tmp_path, tiny_target, tiny_llama_dir
 
     with pytest.raises(ValueError, match="must name the directory of the EAGLE-3 head"):
         LLM(tiny_target, **kwargs, speculative_config=spec(None))
-    with pytest.raises(ValueError, match="is not a directory holding an EAGLE-3 head"):
+    with pytest.raises(ValueError, match="is not a directory holding an EAGLE-3 head \\(config.json"):
         LLM(tiny_target, **kwargs, speculative_config=spec(str(tmp_path / "missing")))
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids must name 3 distinct target layers in "
                                          r"\[0, 4\), got \[0, 1, 4\]"):

@@ -82,7 +82,7 @@ class DraftModelProposer:
         for request, start, end, _ in batch:
             ids.extend(request.all_token_ids[start:end])
             query_lens.append(end - start)
-        hidden = self._forward(ids, [p for _, start, end, _ in batch for p in range(start, end)], query_lens,
+        states = self._forward(ids, [p for _, start, end, _ in batch for p in range(start, end)], query_lens,
                                [end for _, _, end, _ in batch], [tables[r.request_id] for r, _, _, _ in batch])
         last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         drafting = [(n, r, wanted) for n, (r, _, end, wanted) in enumerate(batch) if wanted]
@@ -91,15 +91,15 @@ class DraftModelProposer:
         if not drafting:
             return
         active = [(r, wanted) for _, r, wanted in drafting]
-        logits = self.model.compute_logits(hidden[last_rows[[n for n, _, _ in drafting]]])
+        logits = self.model.compute_logits(states[last_rows[[n for n, _, _ in drafting]]])
         q_rows: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
         sample_drafts(logits, [r for r, _ in active], q_rows)
         for step in range(1, max(wanted for _, wanted in active)):
             active = [(r, wanted) for r, wanted in active if wanted > step]
             positions = [r.num_tokens - 1 + step for r, _ in active]
-            hidden = self._forward([r.spec_token_ids[-1] for r, _ in active], positions, [1] * len(active),
+            states = self._forward([r.spec_token_ids[-1] for r, _ in active], positions, [1] * len(active),
                                    [p + 1 for p in positions], [tables[r.request_id] for r, _ in active])
-            sample_drafts(self.model.compute_logits(hidden), [r for r, _ in active], q_rows)
+            sample_drafts(self.model.compute_logits(states), [r for r, _ in active], q_rows)
         for request, wanted in ((r, w) for _, r, w in drafting):
             request.draft_num_computed = request.num_tokens + wanted - 1
             if q_rows[request.request_id]:

@@ -278,7 +278,8 @@ def _train(head: TrainableEagle3Head, data: _Data, config: TrainDraftConfig, out
                     sums[j][0] += float(step_loss.detach()) * count
                     sums[j][1] += int((logits[valid].argmax(-1) == labels[valid]).sum())
                     sums[j][2] += count
-                (loss / len(batch)).backward()
+                if loss.requires_grad:  # else no label of this sequence is in the draft vocabulary
+                    (loss / len(batch)).backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             optimizer.step()
             schedule.step()

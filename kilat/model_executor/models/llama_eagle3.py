@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
@@ -69,8 +70,8 @@ def aux_layers_of(config: PretrainedConfig, num_target_layers: int) -> tuple[int
     eagle_config = getattr(config, "eagle_config", None) or {}
     ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or eagle_config.get(
         "eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_target_layers)
-    layers = tuple(sorted({int(i) for i in ids}))
-    if len(layers) != 3 or layers[0] < 0 or layers[-1] >= num_target_layers:
+    layers = tuple(sorted({i for i in ids if isinstance(i, int)})) if isinstance(ids, (list, tuple)) else ()
+    if len(layers) != 3 or len(ids) != 3 or layers[0] < 0 or layers[-1] >= num_target_layers:
         raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids must name 3 distinct target "
                          f"layers in [0, {num_target_layers}), got {list(ids)}")
     return layers
@@ -216,6 +217,18 @@ def _checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield from torch.load(binary, map_location="cpu", weights_only=True).items()
 
 
+def _tensor_names(path: str) -> list[str]:
+    """The names of the head's checkpoint tensors (safetensors headers only; a ``.bin`` is read whole)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return [name for name, _ in _checkpoint_tensors(path)]
+    names: list[str] = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def load_eagle3(path: str, target_config: PretrainedConfig, max_model_len: int, dtype: torch.dtype,
                 device: torch.device, quantization: str | None = None
                 ) -> tuple[Eagle3LlamaForCausalLM, tuple[int, ...]]:
@@ -229,8 +242,9 @@ def load_eagle3(path: str, target_config: PretrainedConfig, max_model_len: int, 
         ValueError: not a directory, a vocabulary or hidden size other than the target's, bad aux layer ids, or
             tensors that do not match the config.
     """
-    if not os.path.isdir(path):
-        raise ValueError(f"speculative_config.model: {path!r} is not a directory holding an EAGLE-3 head")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"speculative_config.model: {path!r} is not a directory holding an EAGLE-3 head "
+                         f"(config.json and its weights)")
     config = AutoConfig.from_pretrained(path)
     if config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config.model: the head's vocab_size ({config.vocab_size}) must equal the "
@@ -239,6 +253,10 @@ def load_eagle3(path: str, target_config: PretrainedConfig, max_model_len: int, 
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"speculative_config.model: the head reads hidden states of size {target_hidden}, the "
                          f"target's are {target_config.hidden_size}")
+    if config.hidden_size != target_config.hidden_size and "embed_tokens.weight" not in _tensor_names(path):
+        raise ValueError(f"speculative_config.model: a head without its own embed_tokens reads the target's "
+                         f"embeddings, so its hidden_size ({config.hidden_size}) must be the target's "
+                         f"({target_config.hidden_size})")
     aux_layers = aux_layers_of(config, target_config.num_hidden_layers)
     quant_config = None if quantization is None else resolve_quantization(
         quantization, {"lm_head": True}, "hf", path, dtype, torch.device(device).type)
