@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoConfig, LlamaConfig
 
-from kilat.config import SpeculativeConfig
+from kilat.config import SpeculativeConfig, _check
 from kilat.engine.llm import LLM
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_cache
 from kilat.model_executor.forward_context import set_forward_context
@@ -49,11 +49,6 @@ logger = logging.getLogger("kilat")
 
 _STEP_WEIGHT = 0.8
 _CHECKPOINT_SECONDS = 300.0
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {message}")
 
 
 @dataclass
