@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig
 
 from kilat import LLM, SamplingParams
 from kilat.model_executor.attention import AttentionMetadata, allocate_kv_cache
 from kilat.model_executor.forward_context import ForwardContext, set_forward_context
 from kilat.model_executor.layers import Linear, rope_inv_freq
-from kilat.model_executor.models.llama_eagle3 import default_aux_layers, load_eagle3
+from kilat.model_executor.models.llama_eagle3 import aux_layers_of, default_aux_layers, load_eagle3
 from kilat.train_draft.head import TrainableEagle3Head
 from kilat.train_draft.prompts import chat_prompts
 from kilat.train_draft.trainer import TrainDraftConfig, train_draft
@@ -249,6 +250,8 @@ def test_bad_heads_and_configs_are_refused(tmp_path, tiny_target, tiny_llama_dir
         LLM(tiny_target, **kwargs, speculative_config=spec(_random_head(tmp_path / "v8", small, 4, [0, 1, 2])))
     with pytest.raises(ValueError, match="an EAGLE-3 head reads 3 distinct target layers; the target has 2"):
         default_aux_layers(2)
+    with pytest.raises(ValueError, match=r"must name 3 distinct target layers in \[0, 30\), got 5"):
+        aux_layers_of(PretrainedConfig(eagle_aux_hidden_state_layer_ids=5), 30)
     with pytest.raises(ValueError, match="method 'eagle3' runs with tensor_parallel_size and pipeline_parallel_size"):
         LLM(tiny_llama_dir, **kwargs, tensor_parallel_size=2, speculative_config=spec(str(tmp_path)))
     bad = Path(_random_head(tmp_path / "bad_d2t", tiny_target, 16, [0, 1, 2]))

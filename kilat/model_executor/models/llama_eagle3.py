@@ -73,7 +73,7 @@ def aux_layers_of(config: PretrainedConfig, num_target_layers: int) -> tuple[int
     layers = tuple(sorted({i for i in ids if isinstance(i, int)})) if isinstance(ids, (list, tuple)) else ()
     if len(layers) != 3 or len(ids) != 3 or layers[0] < 0 or layers[-1] >= num_target_layers:
         raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids must name 3 distinct target "
-                         f"layers in [0, {num_target_layers}), got {list(ids)}")
+                         f"layers in [0, {num_target_layers}), got {ids!r}")
     return layers
 
 
