@@ -4,7 +4,10 @@
 For each SmolLM2-135M shape (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, lm_head 49152x576) and
 each M, it times (median of ``--repeats`` timed batches of calls, after a warm-up), with bfloat16 activations:
 
-- ``dense_bf16``: oneDNN's packed bfloat16 linear (kilat's unquantized CPU path on builds without AVX512-BF16);
+- ``dense_bf16``: oneDNN's packed bfloat16 linear (kilat's unquantized CPU path on AMX CPUs), where oneDNN has a
+  bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on AVX2-only CPUs);
+- ``dense_fp32``: ``F.linear`` of float32 ``x`` and a float32 weight (MKL; the fast unquantized path on AVX2-only
+  CPUs, where a bfloat16 ``F.linear`` runs several times slower);
 - ``kilat_bf16_packed``: the same dense weight packed by :func:`kilat...kernels.pack_bf16` (kilat's unquantized
   CPU path on ``avx512_bf16`` builds; elsewhere it falls back to ``F.linear`` of the unpacked weight);
 - ``torch_int4_g32``: ``aten._weight_int4pack_mm_for_cpu`` (group 32); ``torch_int8_pc``: ``aten._weight_int8pack_mm``
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kilat.model_executor.layers.quantization import kernels
 
@@ -62,7 +66,7 @@ def candidates(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch
     """name -> (fn(x), weight bytes read, wants float32 x)."""
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(dense)
+    dense32 = dense.float()
     bf16 = kernels.pack_bf16(dense)  # kilat's own packing of a dense bfloat16 weight (16-bit QuantWeight)
     q4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -75,9 +79,13 @@ def candidates(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 8)
     sz = torch.stack([s32.T, z32.T], dim=-1).contiguous().to(torch.bfloat16)  # [K/32, N, 2]
     s8 = spc[:, 0].to(torch.bfloat16)
-    return {
-        "dense_bf16": (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), n * k * 2,
-                       False),
+    found: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, bool]] = {}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense)
+        found["dense_bf16"] = (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                               n * k * 2, False)
+    return found | {
+        "dense_fp32": (lambda x: F.linear(x, dense32), n * k * 4, True),
         "kilat_bf16_packed": (lambda x: kernels.quant_linear(x, bf16), bf16.nbytes, False),
         "torch_int4_g32": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, sz),
                            int4.numel() * int4.element_size() + sz.numel() * 2, False),

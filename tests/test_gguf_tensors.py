@@ -372,7 +372,7 @@ def test_gguf_method_matches_dequantize_then_matmul(tmp_path: Path, tied: bool) 
 def test_dense_gguf_layers_in_bfloat16_are_counted_and_fuse_however_packed(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF layer with no quantized shard (BF16 o_proj) runs as UnquantizedLinearMethod, whose bfloat16 weight is
-    packed (a 16-bit QuantWeight for kilat's AVX512-BF16 kernels, else oneDNN): ``weight_bytes`` counts it either
+    packed (a 16-bit QuantWeight for kilat's 16-bit kernels, else oneDNN): ``weight_bytes`` counts it either
     way (within the packing's padding), and the 16-bit form is the layer's ``packed_weight`` (so it can fuse)."""
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", small=True)

@@ -119,7 +119,9 @@ def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group
 def test_dense_bf16_weight_matches_matmul(backend: str, n: int, k: int, m: int, dtype: torch.dtype) -> None:
     """A dense bfloat16 weight packed as 16 bits: dequantize and embedding give its values back bit for bit, and
     quant_linear is the exact product within float32 summation and one rounding to ``x``'s dtype, on the bfloat16
-    dot-product path (avx512_bf16 build, bfloat16 x, every M) and on every fallback (``F.linear`` of the weight)."""
+    dot-product path (avx512_bf16 build, bfloat16 x, every M), on the avx2 build's float32 paths (bfloat16 x: FMAs
+    below 8 rows, two rows or one per pass; the tile path from 8, six rows per pass and every remainder) and on every
+    fallback (``F.linear`` of the weight)."""
     g = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
     w = kernels.pack_bf16(weight)
@@ -300,10 +302,10 @@ def test_each_build_compiles_its_own_code_paths(isa: str) -> None:
     skip_unless_runnable(isa)
     ops = native.load_extension("quant_gemm", isa)
     assert ops is not None
-    assert (ops.has_avx512(), ops.has_vnni(), ops.has_bf16dp(), ops.has_avx2()) == {
-        "avx512_bf16": (True, True, True, False), "avx512_vnni": (True, True, False, False),
-        "avx512": (True, False, False, False), "avx2": (False, False, False, True),
-        "portable": (False, False, False, False)}[isa]
+    assert (ops.has_avx512(), ops.has_vnni(), ops.has_bf16dp(), ops.has_avx2(), ops.has_dense16()) == {
+        "avx512_bf16": (True, True, True, False, True), "avx512_vnni": (True, True, False, False, False),
+        "avx512": (True, False, False, False, False), "avx2": (False, False, False, True, True),
+        "portable": (False, False, False, False, False)}[isa]
 
 
 def test_native_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path,

@@ -15,15 +15,18 @@
 // int32 dot products: gemm_block_vnni with vpdpbusd; on AVX2 gemm_block_int with vpmaddubsw for 4-bit weights (DotU8)
 // and vpmaddwd for 8-bit ones (DotI16); all give the same integers, so the same outputs). On AVX2 from kTileRows rows
 // of x, any dtype, the tile path instead (gemm_block_tile_avx2: weights dequantized once per row block, then FMAs;
-// dequantize-then-matmul up to float32 rounding). Threads: at::parallel_for over row blocks, so torch's intra-op
-// thread count. With AVX512-BF16, bfloat16 x from 8 rows (4-bit weights) or 16 (8-bit) takes the bfloat16 dot-product
-// path instead (run_gemm_bf16dp: q unpacked once per 32 weight rows into exact bfloat16, vdpbf16ps, float32 sums per
-// group; dequantize-then-matmul up to float32 rounding).
+// dequantize-then-matmul up to float32 rounding). 16-bit (dense bfloat16) weights on AVX2 take the float32 path below
+// kTileRows rows and the tile path from there, widened exactly to float32 (a shift or a mask per column pair), so
+// F.linear in float32 of the bfloat16 values up to float32 rounding. Threads: at::parallel_for over row blocks, so
+// torch's intra-op thread count. With AVX512-BF16, bfloat16 x from 8 rows (4-bit weights) or 16 (8-bit) takes the
+// bfloat16 dot-product path instead (run_gemm_bf16dp: q unpacked once per 32 weight rows into exact bfloat16,
+// vdpbf16ps, float32 sums per group; dequantize-then-matmul up to float32 rounding).
 //
 // Ops (namespace kilat_quant_<isa>): gemm(x [..., K] float32|bfloat16|float16, qweight, scales, bits, group_size, N, K,
 // bias?) -> [..., N] in x's dtype; dequantize(qweight, scales, bits, group_size, N, K, dtype) -> [N, K];
 // embedding(ids int64 [...], qweight, scales, bits, group_size, N, K, dtype) -> [..., K] (rows w[ids]);
-// has_avx512() / has_vnni() / has_bf16dp() / has_avx2() -> whether those paths were compiled in.
+// has_avx512() / has_vnni() / has_bf16dp() / has_avx2() -> whether those paths were compiled in; has_dense16() ->
+// whether 16-bit (dense bfloat16) weights run here (the AVX512-BF16 and AVX2 builds).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -494,7 +497,14 @@ inline __m256 column(__m256i w, int j) {
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * j), 24));
 }
 
-// gemm_block_fp32 on two halves: the same partial sums and operations per row, so the same results.
+// Columns 2 p + j (j = 0, 1) of one half of a 16-bit chunk's pair p, `v` = that half's 8 lanes (rows) of two
+// bfloat16: the low or the high 16 bits as float32, exactly.
+inline __m256 bf16_column(__m256i v, int j) {
+  return _mm256_castsi256_ps(j == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+}
+
+// gemm_block_fp32 on two halves: the same partial sums and operations per row, so the same results. 16-bit weights:
+// each chunk as its two column pairs' halves (bf16_column), one group of scale 1 and zero 0.
 template <int BITS, int MT, typename S>
 void gemm_block_fp32_avx2(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l,
                           int64_t blk, float* y) {
@@ -511,15 +521,29 @@ void gemm_block_fp32_avx2(const Activations& a, int64_t m0, const uint8_t* qw, c
       for (int s = 0; s < A; ++s) dot[i][s][0] = dot[i][s][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i w[2];
-      load_halves<BITS>(wp, w);
       const int64_t col = g * l.span + c * kCols;
-      for (int j = 0; j < kCols; ++j)
-        for (int h = 0; h < 2; ++h) {
-          const __m256 wf = column<BITS>(w[h], j);
-          for (int i = 0; i < MT; ++i)
-            dot[i][j % A][h] = _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
-        }
+      if constexpr (BITS == 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
+        for (int p = 0; p < 2; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * p + 32 * h));
+            for (int j = 2 * p; j < 2 * p + 2; ++j) {
+              const __m256 wf = bf16_column(v, j % 2);
+              for (int i = 0; i < MT; ++i)
+                dot[i][j % A][h] =
+                    _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
+            }
+          }
+      } else {
+        __m256i w[2];
+        load_halves<BITS>(wp, w);
+        for (int j = 0; j < kCols; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256 wf = column<BITS>(w[h], j);
+            for (int i = 0; i < MT; ++i)
+              dot[i][j % A][h] = _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
+          }
+      }
     }
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < 2; ++h) {
@@ -657,11 +681,27 @@ void gemm_block_int_avx2(const Activations& a, const uint8_t* qw, const S* sz, c
 #endif
 
 // Columns c0 .. c0 + 15 of row block blk dequantized: tile[j][r] = w[blk * 16 + r, c0 + j] = q * s + z, rounded twice
-// as torch computes it (no FMA), so exactly dequantize()'s values (16 columns never straddle a group: span % 16 == 0).
+// as torch computes it (no FMA), so exactly dequantize()'s values (16 columns never straddle a group: span % 16 == 0);
+// for 16-bit weights the bfloat16 values widened to float32.
 template <typename S>
 void dequantize_tile(const uint8_t* qw, const S* sz, const Layout& l, int64_t blk, int64_t c0, float tile[16][kRows]) {
   const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t g = c0 / l.span;
+  if (l.bits == 16) {
+#ifdef KILAT_AVX2
+    for (int64_t ch = 0; ch < 4; ++ch)
+      for (int p = 0; p < 2; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(bq + (c0 / kCols + ch) * l.chunk_bytes + 64 * p + 32 * h));
+          for (int j = 0; j < 2; ++j) _mm256_storeu_ps(tile[ch * kCols + 2 * p + j] + 8 * h, bf16_column(v, j));
+        }
+#else
+    for (int j = 0; j < 16; ++j)
+      for (int r = 0; r < kRows; ++r) tile[j][r] = dense_at(bq, r, c0 + j);
+#endif
+    return;
+  }
 #ifdef KILAT_AVX512
   __m512 sv, zv;
   load_scales(sz, l, blk, g, sv, zv);
@@ -1011,14 +1051,14 @@ void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
 #ifdef KILAT_BF16DP
   if (x.scalar_type() == at::kBFloat16 && x.size(0) >= bf16dp_min_rows(l.bits)) return run_gemm_bf16dp<S>(x, qw, sz, l, bp, out);
 #endif
-  TORCH_CHECK(l.bits != 16, "16-bit (dense bfloat16) weights need bfloat16 x and the AVX512-BF16 build");
 #ifdef KILAT_AVX2
   [[maybe_unused]] const bool tile = x.size(0) >= kTileRows;
 #else
+  TORCH_CHECK(l.bits != 16, "16-bit (dense bfloat16) weights need bfloat16 x and the AVX512-BF16 build, or AVX2");
   [[maybe_unused]] const bool tile = false;
 #endif
 #ifdef KILAT_INT_PATH
-  const bool split = !tile && x.scalar_type() != at::kFloat;
+  const bool split = !tile && x.scalar_type() != at::kFloat && l.bits != 16;
 #else
   const bool split = false;
 #endif
@@ -1038,6 +1078,7 @@ void run_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& 
       else gemm_block_avx512<8, S>(a, qw, sz, l, blk, yb.data());
 #elif defined(KILAT_AVX2)
       if (tile) gemm_block_tile_avx2<S>(a, qw, sz, l, blk, t, yb.data());
+      else if (l.bits == 16) gemm_block_avx2<16, S>(a, qw, sz, l, blk, yb.data());
       else if (split && l.bits == 4) gemm_block_int_avx2<4, S>(a, qw, sz, l, blk, yb.data());
       else if (split) gemm_block_int_avx2<8, S>(a, qw, sz, l, blk, yb.data());
       else if (l.bits == 4) gemm_block_avx2<4, S>(a, qw, sz, l, blk, yb.data());
@@ -1183,6 +1224,14 @@ bool has_avx2() {
 #endif
 }
 
+bool has_dense16() {
+#if defined(KILAT_BF16DP) || defined(KILAT_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_avx512() {
 #ifdef KILAT_AVX512
   return true;
@@ -1204,4 +1253,5 @@ KILAT_LIBRARY(kilat_quant, m) {
   m.def("has_vnni() -> bool", has_vnni);
   m.def("has_avx2() -> bool", has_avx2);
   m.def("has_bf16dp() -> bool", has_bf16dp);
+  m.def("has_dense16() -> bool", has_dense16);
 }

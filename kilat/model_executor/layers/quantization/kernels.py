@@ -45,7 +45,10 @@ computes ``y = sum_g scale_g * (sum_k q x) + zero_g * (sum_k x)``, the output ro
   with ``vpmaddubsw``/``vpmaddwd``); from 8 rows on, any dtype, each block of 16 weight rows is dequantized once into a
   float32 tile (:func:`dequantize`'s values) and multiplied by 6 rows of ``x`` at a time with FMAs: dequantize-then-
   matmul in float32 up to float32 rounding, ~1.6x the integer path at 64 rows on the Zen 1 machine and faster than
-  dequantizing for a dense matmul at every prefill size measured (docs/benchmarks.md).
+  dequantizing for a dense matmul at every prefill size measured (docs/benchmarks.md). 16-bit weights (dense
+  bfloat16, bfloat16 ``x``) take the same two float32 paths, each weight widened exactly: where torch's own
+  bfloat16 matmul has no fast path (AVX2 without AVX-512), they run at the float32 matmul's speed or above while
+  reading half its bytes.
 
 Elsewhere, from :data:`DENSE_MIN_M` rows on (prefill), any dtype but bfloat16 on the AVX512-BF16 build, it
 dequantizes the weight to float32 and runs the dense float32 matmul (exact, and faster there than the FMA paths).
@@ -187,7 +190,7 @@ def pack_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 def pack_bf16(weight: torch.Tensor) -> QuantWeight:
     """A dense bfloat16 weight ``[N, K]`` as a 16-bit :class:`QuantWeight` (the module docstring's layout; ``K`` padded
-    to a multiple of 32 with zeros): what the AVX512-BF16 kernels read in place, at every batch size.
+    to a multiple of 32 with zeros): what the AVX512-BF16 and AVX2 kernels read in place, at every batch size.
 
     Raises:
         ValueError: ``weight`` is not a non-empty 2-D bfloat16 tensor.
@@ -290,7 +293,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         raise ValueError(f"x must have {w.in_features} features in its last dimension, got {x.shape[-1]}")
     ops = _native_for(x)
     if ops is None or x.dtype not in NATIVE_DTYPES or (w.bits == 16 and not (x.dtype == torch.bfloat16
-                                                                           and ops.has_bf16dp())):
+                                                                           and ops.has_dense16())):
         return F.linear(x, dequantize(w, x.dtype), bias)
     if not gemm_takes(ops, x.numel() // w.in_features, x.dtype):
         y = F.linear(x.to(torch.float32), dequantize(w), None if bias is None else bias.to(torch.float32))

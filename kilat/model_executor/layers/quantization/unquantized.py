@@ -1,4 +1,4 @@
-"""The unquantized linear method: a dense weight, packed for kilat's AVX512-BF16 kernels or oneDNN on CPU bfloat16."""
+"""The unquantized linear method: a dense weight, packed for kilat's CPU kernels or oneDNN in bfloat16."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether :class:`UnquantizedLinearMethod` packs: CPU, bfloat16, and kilat's AVX512-BF16 kernels or oneDNN bf16
+    """Whether :class:`UnquantizedLinearMethod` packs: CPU, bfloat16, and kilat's 16-bit kernels or oneDNN bf16
     support."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return False
@@ -25,22 +25,24 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def _bf16_kernels() -> bool:
-    """Whether dense bfloat16 weights go to kilat's AVX512-BF16 kernels: built, and not on a CPU with AMX, whose tiles
-    oneDNN's bfloat16 GEMM uses (kilat has no AMX code yet; at prefill sizes AMX outruns ``vdpbf16ps`` several
-    times over)."""
+    """Whether dense bfloat16 weights go to kilat's 16-bit kernels (the ``avx512_bf16`` build's ``vdpbf16ps`` or the
+    ``avx2`` build's float32 FMAs on exactly widened weights): built, and not on a CPU with AMX, whose tiles oneDNN's
+    bfloat16 GEMM uses (kilat has no AMX code yet; at prefill sizes AMX outruns ``vdpbf16ps`` several times over). On
+    AVX2 CPUs torch has no fast bfloat16 matmul: ``F.linear`` in bfloat16 ran 9-10x slower than the 16-bit kernels
+    there (docs/benchmarks.md)."""
     ops = kernels.native_ops()
-    return ops is not None and ops.has_bf16dp() and "amx_bf16" not in cpu_flags()
+    return ops is not None and ops.has_dense16() and "amx_bf16" not in cpu_flags()
 
 
 class UnquantizedLinearMethod(LinearMethod):
     """``F.linear`` on the checkpoint's weight in the model dtype.
 
-    On CPU in bfloat16 the weight is replaced after loading by a packed copy: with kilat's AVX512-BF16 kernels (the
-    ``avx512_bf16`` build, on a CPU without AMX) a 16-bit
+    On CPU in bfloat16 the weight is replaced after loading by a packed copy: with kilat's 16-bit kernels (the
+    ``avx512_bf16`` build on a CPU without AMX, or the ``avx2`` build) a 16-bit
     :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight`
-    (:func:`~kilat.model_executor.layers.quantization.kernels.pack_bf16`), multiplied with ``vdpbf16ps`` at every
-    batch size and fused into the decoder-layer op like the quantized weights (a batch-1 decode step reads the
-    weights near the memory bandwidth, docs/benchmarks.md); otherwise a oneDNN-blocked copy (the layout
+    (:func:`~kilat.model_executor.layers.quantization.kernels.pack_bf16`), multiplied with ``vdpbf16ps`` (or FMAs on
+    AVX2) at every batch size and fused into the decoder-layer op like the quantized weights (a batch-1 decode step
+    reads the weights near the memory bandwidth, docs/benchmarks.md); otherwise a oneDNN-blocked copy (the layout
     ``torch.compile``'s CPU backend uses, ~1.3x faster than ``F.linear`` on row-major weights), ``layer.weight``
     then an opaque ``torch._mkldnn`` tensor. A weight shared with another module (tied ``lm_head``) gets its own
     packed copy.
@@ -74,10 +76,11 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def packed_weight(self) -> kernels.QuantWeight | None:
-        """The 16-bit packed weight (the AVX512-BF16 packing), else ``None``."""
+        """The 16-bit packed weight (:func:`~kilat.model_executor.layers.quantization.kernels.pack_bf16`), else
+        ``None``."""
         return self._weight
 
     def describe(self) -> str:
         if self._weight is not None:
-            return "dense, packed for AVX512-BF16"
+            return "dense, packed for kilat's 16-bit kernels"
         return "dense, oneDNN-packed" if self.packed else "dense"
