@@ -9,7 +9,8 @@ each M, it times (median of ``--repeats`` timed batches of calls, after a warm-u
 - ``dense_fp32``: ``F.linear`` of float32 ``x`` and a float32 weight (MKL; the fast unquantized path on AVX2-only
   CPUs, where a bfloat16 ``F.linear`` runs several times slower);
 - ``kilat_bf16_packed``: the same dense weight packed by :func:`kilat...kernels.pack_bf16` (kilat's unquantized
-  CPU path on ``avx512_bf16`` builds; elsewhere it falls back to ``F.linear`` of the unpacked weight);
+  CPU path on the ``avx512_bf16`` and ``avx2`` builds; elsewhere it falls back to ``F.linear`` of the unpacked
+  weight);
 - ``torch_int4_g32``: ``aten._weight_int4pack_mm_for_cpu`` (group 32); ``torch_int8_pc``: ``aten._weight_int8pack_mm``
   (per-channel);
 - ``kilat_q4_g32``, ``kilat_q8_g32``, ``kilat_q8_pc``: :func:`kilat...kernels.quant_linear` (float16 scales);

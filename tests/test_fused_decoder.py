@@ -118,7 +118,8 @@ def test_embedded_gguf_fuses_and_decodes_like_python() -> None:
 def test_dense_weights_fuse_where_packed_for_bf16_kernels(checkpoint: Path, dtype: str) -> None:
     """Dense weights fuse exactly where they are packed as 16-bit QuantWeights (bfloat16 on the avx512_bf16 build on a
     CPU without AMX, or on the avx2 build), and then decode bit for bit like the Python forward; elsewhere (float32,
-    the other AVX-512 builds and AMX CPUs, whose dense weights oneDNN packs) no layer fuses."""
+    the other AVX-512 builds and AMX CPUs, whose dense weights oneDNN packs, and the portable build) no layer
+    fuses."""
     model, _, _ = get_model(ModelConfig(model=str(checkpoint), dtype=dtype), "cpu")
     quant = load_extension("quant_gemm")
     packs = dtype == "bfloat16" and quant is not None and quant.has_dense16() and "amx_bf16" not in cpu_flags()

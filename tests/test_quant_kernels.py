@@ -114,13 +114,13 @@ def test_pack_dequantize_is_exact(backend: str, bits: int, n: int, k: int, group
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("n,k", [(40, 48), (33, 37), (17, 100), (64, 576)])
-@pytest.mark.parametrize("m", [1, 3, 8, 13, 64, kernels.DENSE_MIN_M + 2])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 11, 13, 64, kernels.DENSE_MIN_M + 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_bf16_weight_matches_matmul(backend: str, n: int, k: int, m: int, dtype: torch.dtype) -> None:
     """A dense bfloat16 weight packed as 16 bits: dequantize and embedding give its values back bit for bit, and
     quant_linear is the exact product within float32 summation and one rounding to ``x``'s dtype, on the bfloat16
     dot-product path (avx512_bf16 build, bfloat16 x, every M), on the avx2 build's float32 paths (bfloat16 x: FMAs
-    below 8 rows, two rows or one per pass; the tile path from 8, six rows per pass and every remainder) and on every
+    below 8 rows, two rows or one per pass; the tile path from 8, six rows per pass and the remainders 1-5) and on every
     fallback (``F.linear`` of the weight)."""
     g = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=g).to(torch.bfloat16)

@@ -7,9 +7,10 @@ to ``torch.ops.kilat_cpu_decoder_<isa>.decoder_layer``, which calls the same ker
 (RMSNorm, the packed quantized matmuls, rotary, the KV write, paged attention, SiLU-and-mul), so its outputs
 are bit for bit those of the layer's Python forward. It applies only where that forward would run exactly those
 kernels: every projection one packed :class:`~kilat.model_executor.layers.quantization.kernels.QuantWeight` on the
-CPU (quantized, or a dense bfloat16 weight packed for the AVX512-BF16 kernels), a step whose matmuls all take the
-C++ ``gemm`` op (:func:`~kilat.model_executor.layers.quantization.kernels.gemm_takes`: fewer than ``DENSE_MIN_M``
-tokens, or any number on AVX2 builds and for bfloat16 on AVX512-BF16 ones), any mix of decodes, verification spans
+CPU (quantized, or a dense bfloat16 weight packed for the 16-bit kernels of the AVX512-BF16 and AVX2 builds), a
+step whose matmuls all take the C++ ``gemm`` op
+(:func:`~kilat.model_executor.layers.quantization.kernels.gemm_takes`: fewer than ``DENSE_MIN_M`` tokens, or any
+number on AVX2 builds and for bfloat16 on AVX512-BF16 ones), any mix of decodes, verification spans
 and prefill chunks (the ``cpu`` backend runs them all in one ``paged_attention`` call, as the op does), a KV cache
 in the model dtype and that backend. Everything else (steps whose matmuls take a dense path, other dense weights,
 act-order or multi-part weights, CUDA, ``KILAT_CPU_DECODER=torch``) takes the Python forward, layer by layer.

@@ -28,8 +28,8 @@ def _bf16_kernels() -> bool:
     """Whether dense bfloat16 weights go to kilat's 16-bit kernels (the ``avx512_bf16`` build's ``vdpbf16ps`` or the
     ``avx2`` build's float32 FMAs on exactly widened weights): built, and not on a CPU with AMX, whose tiles oneDNN's
     bfloat16 GEMM uses (kilat has no AMX code yet; at prefill sizes AMX outruns ``vdpbf16ps`` several times over). On
-    AVX2 CPUs torch has no fast bfloat16 matmul: ``F.linear`` in bfloat16 ran 9-10x slower than the 16-bit kernels
-    there (docs/benchmarks.md)."""
+    AVX2 CPUs torch has no fast bfloat16 matmul: ``F.linear`` in bfloat16 ran 21-31x slower than the 16-bit kernels
+    there at one row and 8-12x from 8 rows (docs/benchmarks.md)."""
     ops = kernels.native_ops()
     return ops is not None and ops.has_dense16() and "amx_bf16" not in cpu_flags()
 
