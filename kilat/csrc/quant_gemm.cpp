@@ -1121,12 +1121,6 @@ void run_dequantize(const uint8_t* qw, const S* sz, const Layout& l, T* out) {
     float tile[16][kRows];  // 16 columns x 16 rows
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t rows = std::min(kRows, l.n - blk * kRows);
-      if (l.bits == 16) {  // the weights themselves (scale 1, no zero)
-        const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < l.k; ++c) out[(blk * kRows + r) * l.k + c] = static_cast<T>(dense_at(bq, r, c));
-        continue;
-      }
       for (int64_t c0 = 0; c0 < l.k; c0 += 16) {
         dequantize_tile(qw, sz, l, blk, c0, tile);
         const int64_t cols = std::min<int64_t>(16, l.k - c0);
