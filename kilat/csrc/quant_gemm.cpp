@@ -503,8 +503,27 @@ inline __m256 bf16_column(__m256i v, int j) {
   return _mm256_castsi256_ps(j == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(-65536)));
 }
 
-// gemm_block_fp32 on two halves: the same partial sums and operations per row, so the same results. 16-bit weights:
-// each chunk as its two column pairs' halves (bf16_column), one group of scale 1 and zero 0.
+// The four columns of the chunk at wp as float32, wf[j][h] = column j of half h: q for 4 and 8 bits, the weights
+// themselves for 16 (each column pair's halves widened by bf16_column).
+template <int BITS>
+inline void chunk_columns(const uint8_t* wp, __m256 wf[kCols][2]) {
+  if constexpr (BITS == 16) {
+    for (int p = 0; p < 2; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * p + 32 * h));
+        wf[2 * p][h] = bf16_column(v, 0);
+        wf[2 * p + 1][h] = bf16_column(v, 1);
+      }
+  } else {
+    __m256i w[2];
+    load_halves<BITS>(wp, w);
+    for (int j = 0; j < kCols; ++j)
+      for (int h = 0; h < 2; ++h) wf[j][h] = column<BITS>(w[h], j);
+  }
+}
+
+// gemm_block_fp32 on two halves: the same partial sums and operations per row, so the same results. 16-bit weights
+// have one group of scale 1 and zero 0.
 template <int BITS, int MT, typename S>
 void gemm_block_fp32_avx2(const Activations& a, int64_t m0, const uint8_t* qw, const S* sz, const Layout& l,
                           int64_t blk, float* y) {
@@ -521,29 +540,15 @@ void gemm_block_fp32_avx2(const Activations& a, int64_t m0, const uint8_t* qw, c
       for (int s = 0; s < A; ++s) dot[i][s][0] = dot[i][s][1] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, wp += l.chunk_bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+      if constexpr (BITS == 16) _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
       const int64_t col = g * l.span + c * kCols;
-      if constexpr (BITS == 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
-        for (int p = 0; p < 2; ++p)
-          for (int h = 0; h < 2; ++h) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * p + 32 * h));
-            for (int j = 2 * p; j < 2 * p + 2; ++j) {
-              const __m256 wf = bf16_column(v, j % 2);
-              for (int i = 0; i < MT; ++i)
-                dot[i][j % A][h] =
-                    _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
-            }
-          }
-      } else {
-        __m256i w[2];
-        load_halves<BITS>(wp, w);
-        for (int j = 0; j < kCols; ++j)
-          for (int h = 0; h < 2; ++h) {
-            const __m256 wf = column<BITS>(w[h], j);
-            for (int i = 0; i < MT; ++i)
-              dot[i][j % A][h] = _mm256_fmadd_ps(wf, _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
-          }
-      }
+      __m256 wf[kCols][2];
+      chunk_columns<BITS>(wp, wf);
+      for (int j = 0; j < kCols; ++j)
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < MT; ++i)
+            dot[i][j % A][h] =
+                _mm256_fmadd_ps(wf[j][h], _mm256_set1_ps(a.xf[(m0 + i) * a.kp + col + j]), dot[i][j % A][h]);
     }
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < 2; ++h) {
@@ -687,21 +692,13 @@ template <typename S>
 void dequantize_tile(const uint8_t* qw, const S* sz, const Layout& l, int64_t blk, int64_t c0, float tile[16][kRows]) {
   const uint8_t* bq = qw + blk * l.chunks * l.chunk_bytes;
   const int64_t g = c0 / l.span;
+#ifndef KILAT_AVX2
   if (l.bits == 16) {
-#ifdef KILAT_AVX2
-    for (int64_t ch = 0; ch < 4; ++ch)
-      for (int p = 0; p < 2; ++p)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(bq + (c0 / kCols + ch) * l.chunk_bytes + 64 * p + 32 * h));
-          for (int j = 0; j < 2; ++j) _mm256_storeu_ps(tile[ch * kCols + 2 * p + j] + 8 * h, bf16_column(v, j));
-        }
-#else
     for (int j = 0; j < 16; ++j)
       for (int r = 0; r < kRows; ++r) tile[j][r] = dense_at(bq, r, c0 + j);
-#endif
     return;
   }
+#endif
 #ifdef KILAT_AVX512
   __m512 sv, zv;
   load_scales(sz, l, blk, g, sv, zv);
@@ -719,15 +716,15 @@ void dequantize_tile(const uint8_t* qw, const S* sz, const Layout& l, int64_t bl
   __m256 sv[2], zv[2];
   load_scales8(sz, l, blk, g, sv, zv);
   for (int64_t ch = 0; ch < 4; ++ch) {
-    __m256i w[2];
+    __m256 wf[kCols][2];
     const uint8_t* wp = bq + (c0 / kCols + ch) * l.chunk_bytes;
-    if (l.bits == 4) load_halves<4>(wp, w);
-    else load_halves<8>(wp, w);
+    if (l.bits == 16) chunk_columns<16>(wp, wf);  // the weights themselves: stored as they are
+    else if (l.bits == 4) chunk_columns<4>(wp, wf);
+    else chunk_columns<8>(wp, wf);
     for (int j = 0; j < kCols; ++j)
-      for (int h = 0; h < 2; ++h) {  // q * s + z rounded twice, as torch computes it (no FMA)
-        const __m256 qf = l.bits == 4 ? column<4>(w[h], j) : column<8>(w[h], j);
-        _mm256_storeu_ps(tile[ch * kCols + j] + 8 * h, _mm256_add_ps(_mm256_mul_ps(qf, sv[h]), zv[h]));
-      }
+      for (int h = 0; h < 2; ++h)  // q * s + z rounded twice, as torch computes it (no FMA)
+        _mm256_storeu_ps(tile[ch * kCols + j] + 8 * h,
+                         l.bits == 16 ? wf[j][h] : _mm256_add_ps(_mm256_mul_ps(wf[j][h], sv[h]), zv[h]));
   }
 #else
   for (int j = 0; j < 16; ++j)
